@@ -1,0 +1,62 @@
+"""rlcomm: communication between distributed RL workers, on Ray and torch.distributed."""
+
+from rlcomm.cluster import Cluster
+from rlcomm.errors import (
+    ChannelClosedError,
+    ChannelEmpty,
+    ChannelError,
+    ChannelFull,
+    ChannelLostError,
+    ChannelTypeError,
+    CodecError,
+    CommError,
+    CommTimeoutError,
+    OptionsMismatchError,
+    PeerLostError,
+    PeerNotFoundError,
+    ProtocolMismatchError,
+    RlcommError,
+    RlcommTimeoutError,
+    WorkerCallError,
+    WorkerGroupError,
+)
+from rlcomm.placement import (
+    FlexiblePlacementStrategy,
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+    Placement,
+    PlacementStrategy,
+)
+from rlcomm.worker.address import WorkerAddress
+from rlcomm.worker.group import GroupResult, WorkerGroup
+from rlcomm.worker.worker import Worker
+
+__all__ = [
+    "ChannelClosedError",
+    "ChannelEmpty",
+    "ChannelError",
+    "ChannelFull",
+    "ChannelLostError",
+    "ChannelTypeError",
+    "Cluster",
+    "CodecError",
+    "CommError",
+    "CommTimeoutError",
+    "FlexiblePlacementStrategy",
+    "GroupResult",
+    "NodePlacementStrategy",
+    "OptionsMismatchError",
+    "PackedPlacementStrategy",
+    "PeerLostError",
+    "PeerNotFoundError",
+    "Placement",
+    "PlacementStrategy",
+    "ProtocolMismatchError",
+    "RlcommError",
+    "RlcommTimeoutError",
+    "Worker",
+    "WorkerAddress",
+    "WorkerCallError",
+    "WorkerGroup",
+    "WorkerGroupError",
+]

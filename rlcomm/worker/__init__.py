@@ -1,0 +1,1 @@
+"""Workers and worker groups."""

@@ -1,0 +1,146 @@
+"""How a ``Worker`` subclass becomes a Ray actor: process set-up and failure reporting.
+
+The actor class is a subclass of the user's class, made once per launch. Its
+constructor takes a :class:`WorkerContext` first, sets the environment and the worker's
+identity, and only then runs the user's ``__init__``. Public methods are wrapped so a
+``sys.exit`` inside one is logged with the worker's address before the process ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlcomm.worker.address import WorkerAddress
+from rlcomm.worker.worker import GROUP_NAME_ENV, Worker
+
+logger = logging.getLogger(__name__)
+
+CATCH_FAILURE_ENV = "RLCOMM_CATCH_FAILURE"
+
+
+@dataclass
+class WorkerContext:
+    """Everything a worker process needs before the user's ``__init__`` runs."""
+
+    group_name: str
+    rank: int
+    world_size: int
+    env: dict[str, str] = field(default_factory=dict)
+    catch_system_failure: bool = True
+    disable_distributed_log: bool = False
+
+
+def catch_failure_default() -> bool:
+    return os.environ.get(CATCH_FAILURE_ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
+def find_free_port() -> int:
+    """A TCP port free on this node right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+@ray.remote(num_cpus=0)
+def free_port_on_node() -> tuple[str, int]:
+    """Run with node affinity: this node's IP and a free port on it."""
+    return ray.util.get_node_ip_address(), find_free_port()
+
+
+def _install_failure_hooks(address: WorkerAddress) -> None:
+    import faulthandler
+
+    faulthandler.enable()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        logger.error("worker %s received %s; exiting", address, signal.Signals(signum).name)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread of the process
+            break
+    atexit.register(lambda: logger.info("worker %s process exiting", address))
+
+
+def _wrap_for_exit_logging(name: str, fn: Any) -> Any:
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(self, *args, **kwargs):
+            try:
+                return await fn(self, *args, **kwargs)
+            except SystemExit as exc:
+                logger.error("worker %s called sys.exit(%s) in %s()", self.worker_address, exc.code, name)
+                raise
+
+        return async_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except SystemExit as exc:
+            logger.error("worker %s called sys.exit(%s) in %s()", self.worker_address, exc.code, name)
+            raise
+
+    return wrapper
+
+
+def public_methods(worker_cls: type) -> list[str]:
+    """Names of the methods a group exposes: public, and not inherited from ``Worker``."""
+    base = set(dir(Worker))
+    names = []
+    for name in dir(worker_cls):
+        if name.startswith("_") or name in base:
+            continue
+        if callable(inspect.getattr_static(worker_cls, name, None)):
+            names.append(name)
+    return names
+
+
+def make_actor_class(worker_cls: type[Worker], catch_system_failure: bool) -> type:
+    """The actor-side subclass of ``worker_cls`` (not yet wrapped by ``ray.remote``)."""
+
+    def __init__(self, _rlcomm_ctx: WorkerContext, *args: Any, **kwargs: Any) -> None:
+        ctx = _rlcomm_ctx
+        os.environ.update(ctx.env)
+        os.environ[GROUP_NAME_ENV] = ctx.group_name
+        address = WorkerAddress(ctx.group_name, (ctx.rank,))
+        if not ctx.disable_distributed_log:
+            logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        if ctx.catch_system_failure:
+            _install_failure_hooks(address)
+        self._bind_identity(address, ctx.world_size)
+        worker_cls.__init__(self, *args, **kwargs)
+
+    def _rlcomm_node_info(self) -> dict[str, Any]:
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
+
+    namespace: dict[str, Any] = {
+        "__init__": __init__,
+        "_rlcomm_node_info": _rlcomm_node_info,
+        "__module__": worker_cls.__module__,
+        # A qualname that does not resolve makes cloudpickle ship the subclass by value.
+        "__qualname__": f"{worker_cls.__qualname__}.<rlcomm actor>",
+    }
+    if catch_system_failure:
+        for name in public_methods(worker_cls):
+            namespace[name] = _wrap_for_exit_logging(name, getattr(worker_cls, name))
+    return type(worker_cls.__name__, (worker_cls,), namespace)

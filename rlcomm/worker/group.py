@@ -1,0 +1,466 @@
+"""``WorkerGroup``: one Ray actor per placement, and calls that run on every rank."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster
+from rlcomm.errors import RlcommTimeoutError, WorkerCallError, WorkerGroupError
+from rlcomm.placement import (
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+    Placement,
+    PlacementStrategy,
+)
+from rlcomm.worker.actor import (
+    WorkerContext,
+    catch_failure_default,
+    find_free_port,
+    free_port_on_node,
+    make_actor_class,
+    public_methods,
+)
+from rlcomm.worker.registry import registry
+from rlcomm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+W = TypeVar("W", bound=Worker)
+
+#: Default seconds ``GroupResult.wait()`` waits; worker methods may train for hours.
+CALL_TIMEOUT_ENV = "RLCOMM_CALL_TIMEOUT"
+#: CPUs each worker actor reserves (default 0: any number of workers fit a node).
+WORKER_NUM_CPUS_ENV = "RLCOMM_WORKER_NUM_CPUS"
+
+
+def default_call_timeout() -> float:
+    return float(os.environ.get(CALL_TIMEOUT_ENV, 24 * 3600))
+
+
+def actor_name(group_name: str, rank: int) -> str:
+    return f"{group_name}:{rank}"
+
+
+class GroupResult:
+    """The handle of a call on some ranks of a group.
+
+    ``wait()`` returns the results ordered like the ranks; ``done()`` polls;
+    ``await handle`` or ``await handle.async_wait()`` waits from asyncio without blocking
+    the event loop. A rank that raised makes ``wait`` raise :class:`WorkerCallError`
+    naming the group, rank and method, with the remote traceback.
+    """
+
+    def __init__(self, group_name: str, method: str, ranks: Sequence[int], refs: Sequence[Any]):
+        self.group_name = group_name
+        self.method = method
+        self.ranks = list(ranks)
+        self.refs = list(refs)
+
+    def _error(self, rank: int, exc: BaseException) -> WorkerCallError:
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            cause = exc.cause if isinstance(exc.cause, WorkerCallError) else None
+            if cause is not None:
+                return cause
+            text = str(exc)
+        elif isinstance(exc, ray.exceptions.RayActorError):
+            text = f"the worker's actor died: {exc}"
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+        return WorkerCallError(self.group_name, rank, self.method, text)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """The results, ordered like the ranks.
+
+        Args:
+            timeout: seconds; default ``RLCOMM_CALL_TIMEOUT`` (24 h).
+
+        Raises:
+            WorkerCallError: a rank raised or its actor died.
+            RlcommTimeoutError: the results were not all ready in time.
+        """
+        timeout = default_call_timeout() if timeout is None else timeout
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
+        if len(ready) < len(self.refs):
+            pending = [r for r, ref in zip(self.ranks, self.refs) if ref not in ready]
+            raise RlcommTimeoutError(
+                f"{self.group_name}.{self.method}(): ranks {pending} not done after {timeout}s"
+            )
+        results = []
+        for rank, ref in zip(self.ranks, self.refs):
+            try:
+                results.append(ray.get(ref))
+            except (ray.exceptions.RayError,) as exc:
+                raise self._error(rank, exc) from None
+        return results
+
+    def done(self) -> bool:
+        """True once every rank has finished (successfully or not)."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    async def async_wait(self, timeout: float | None = None) -> list[Any]:
+        """Like :meth:`wait`, awaitable from asyncio (default loop or uvloop)."""
+        timeout = default_call_timeout() if timeout is None else timeout
+        results = []
+        deadline = time.monotonic() + timeout
+        for rank, ref in zip(self.ranks, self.refs):
+            try:
+                remaining = max(0.0, deadline - time.monotonic())
+                results.append(await asyncio.wait_for(asyncio.wrap_future(ref.future()), remaining))
+            except asyncio.TimeoutError:
+                raise RlcommTimeoutError(
+                    f"{self.group_name}.{self.method}(): rank {rank} not done after {timeout}s"
+                ) from None
+            except ray.exceptions.RayError as exc:
+                raise self._error(rank, exc) from None
+        return results
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+    def __repr__(self) -> str:
+        return f"GroupResult({self.group_name}.{self.method}, ranks={self.ranks})"
+
+
+class _GroupMethod:
+    """A worker method bound on a group (or on a one-shot rank selection)."""
+
+    def __init__(self, group: WorkerGroup, name: str, ranks: Sequence[int] | None = None):
+        self._group = group
+        self._name = name
+        self._ranks = ranks
+
+    def __call__(self, *args: Any, **kwargs: Any) -> GroupResult:
+        return self._group._call(self._name, self._ranks, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self._group.worker_group_name}.{self._name}>"
+
+
+class _RankSelection:
+    """What ``execute_on(*ranks)`` returns: the next method call runs on those ranks only.
+
+    One-shot and private to the caller, so two threads that use one group never see each
+    other's selection.
+    """
+
+    def __init__(self, group: WorkerGroup, ranks: Sequence[int]):
+        self._group = group
+        self._ranks: list[int] | None = list(ranks)
+
+    def __getattr__(self, name: str) -> _GroupMethod:
+        if name not in self._group._methods:
+            raise AttributeError(f"{self._group.worker_cls_name} has no public method {name!r}")
+        ranks, self._ranks = self._ranks, None
+        return _GroupMethod(self._group, name, ranks)
+
+
+class WorkerGroup(Generic[W]):
+    """A group of workers of one class, one Ray actor per rank.
+
+    Made by ``Worker.create_group(*args, **kwargs)`` and started by :meth:`launch`. Every
+    public method of the worker class becomes a method of the group that runs on every
+    rank and returns a :class:`GroupResult`.
+    """
+
+    def __init__(self, worker_cls: type[W], args: tuple = (), kwargs: dict | None = None):
+        if isinstance(worker_cls, ray.actor.ActorClass):
+            worker_cls = worker_cls.__ray_metadata__.modified_class
+        self._worker_cls = worker_cls
+        self._args = tuple(args)
+        self._kwargs = dict(kwargs or {})
+        self._name: str | None = None
+        self._actors: list[Any] = []
+        self._placements: list[Placement] = []
+        self._methods: set[str] = set()
+        self._shut_down = False
+        self._lock = threading.Lock()
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def worker_cls_name(self) -> str:
+        return self._worker_cls.__name__
+
+    @property
+    def worker_group_name(self) -> str:
+        self._check_live()
+        return self._name  # type: ignore[return-value]
+
+    @property
+    def world_size(self) -> int:
+        return len(self._actors)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The Ray actor handles, by rank."""
+        return list(self._actors)
+
+    @property
+    def worker_info_list(self) -> list[dict[str, Any]]:
+        """Per rank: its actor handle and placement."""
+        return [
+            {"rank": p.rank, "actor": a, "placement": p}
+            for p, a in zip(self._placements, self._actors)
+        ]
+
+    @property
+    def placements(self) -> list[Placement]:
+        return list(self._placements)
+
+    # -- launch -----------------------------------------------------------------------------
+
+    def launch(
+        self,
+        cluster: Cluster,
+        placement_strategy: PlacementStrategy | None = None,
+        name: str | None = None,
+        max_concurrency: int | None = None,
+        isolate_gpu: bool = True,
+        catch_system_failure: bool | None = None,
+        disable_distributed_log: bool = False,
+        env_vars: dict[str, str] | None = None,
+    ) -> WorkerGroup[W]:
+        """Start one actor per placement and return this group, launched.
+
+        Args:
+            cluster: where to run.
+            placement_strategy: default one worker per GPU, or one CPU worker without GPUs.
+            name: the group's unique name (default: class name plus a random suffix).
+            max_concurrency: Ray's ``max_concurrency`` for each actor (threaded, or the
+                async concurrency for classes with ``async def`` methods).
+            isolate_gpu: set ``CUDA_VISIBLE_DEVICES`` to the worker's GPUs only.
+            catch_system_failure: log fatal signals and ``sys.exit`` with the worker's
+                address; default from ``RLCOMM_CATCH_FAILURE`` (on).
+            disable_distributed_log: skip the worker-side logging set-up.
+            env_vars: extra environment variables for every worker.
+
+        Raises:
+            WorkerGroupError: the name is taken, a worker method clashes with a group
+                method, or a worker's ``__init__`` failed.
+            ValueError: the placement strategy does not fit the cluster.
+        """
+        if self._actors or self._shut_down:
+            raise WorkerGroupError(f"group {self._name} was launched already")
+        methods = public_methods(self._worker_cls)
+        clashes = sorted(m for m in methods if hasattr(WorkerGroup, m))
+        if clashes:
+            raise WorkerGroupError(
+                f"{self.worker_cls_name} defines {clashes}, which clash with WorkerGroup's own "
+                "methods; rename them"
+            )
+        if placement_strategy is None:
+            placement_strategy = (
+                PackedPlacementStrategy(0, cluster.num_gpus - 1)
+                if cluster.num_gpus
+                else NodePlacementStrategy([0])
+            )
+        placements = placement_strategy.get_placements(cluster.node_specs())
+        name = name or f"{self.worker_cls_name}_{uuid.uuid4().hex[:6]}"
+        if not ray.get(registry().reserve_group.remote(name)):
+            raise WorkerGroupError(
+                f"a worker group named {name!r} exists already; pick another name or shut it down"
+            )
+        try:
+            self._start_actors(
+                cluster,
+                placements,
+                name,
+                max_concurrency,
+                isolate_gpu,
+                catch_failure_default() if catch_system_failure is None else catch_system_failure,
+                disable_distributed_log,
+                env_vars or {},
+            )
+        except BaseException:
+            ray.get(registry().drop_group.remote(name))
+            for actor in self._actors:
+                ray.kill(actor)
+            self._actors = []
+            raise
+        self._methods = set(methods)
+        self._bind_methods()
+        return self
+
+    def _start_actors(
+        self,
+        cluster: Cluster,
+        placements: list[Placement],
+        name: str,
+        max_concurrency: int | None,
+        isolate_gpu: bool,
+        catch_system_failure: bool,
+        disable_distributed_log: bool,
+        env_vars: dict[str, str],
+    ) -> None:
+        master = cluster.node(placements[0].node_rank)
+        if master.node_id == ray.get_runtime_context().get_node_id():
+            master_port = find_free_port()
+        else:
+            _, master_port = ray.get(
+                free_port_on_node.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(master.node_id, soft=False)
+                ).remote()
+            )
+        actor_cls = ray.remote(make_actor_class(self._worker_cls, catch_system_failure))
+        num_cpus = float(os.environ.get(WORKER_NUM_CPUS_ENV, 0))
+        actors = []
+        for p in placements:
+            node = cluster.node(p.node_rank)
+            env = {
+                "MASTER_ADDR": master.ip,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(p.rank),
+                "LOCAL_RANK": str(p.local_rank),
+                "WORLD_SIZE": str(len(placements)),
+                "LOCAL_WORLD_SIZE": str(p.local_world_size),
+                "NODE_RANK": str(p.node_rank),
+                **env_vars,
+            }
+            if isolate_gpu and p.accelerator_ids:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, p.accelerator_ids))
+            ctx = WorkerContext(
+                group_name=name,
+                rank=p.rank,
+                world_size=len(placements),
+                env=env,
+                catch_system_failure=catch_system_failure,
+                disable_distributed_log=disable_distributed_log,
+            )
+            options: dict[str, Any] = {
+                "name": actor_name(name, p.rank),
+                "namespace": RLCOMM_NAMESPACE,
+                "num_cpus": num_cpus,
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            }
+            if max_concurrency is not None:
+                options["max_concurrency"] = max_concurrency
+            actors.append(actor_cls.options(**options).remote(ctx, *self._args, **self._kwargs))
+        self._actors = actors
+        self._placements = placements
+        self._name = name
+        # The first call on each actor waits for its __init__ and surfaces its errors.
+        infos = GroupResult(name, "__init__", [p.rank for p in placements], [
+            a._rlcomm_node_info.remote() for a in actors
+        ]).wait(timeout=float(os.environ.get("RLCOMM_LAUNCH_TIMEOUT", 300)))
+        ray.get(
+            registry().set_group.remote(
+                name,
+                {
+                    "worker_cls_name": self.worker_cls_name,
+                    "world_size": len(placements),
+                    "node_ranks": [p.node_rank for p in placements],
+                    "workers": infos,
+                },
+            )
+        )
+
+    def _bind_methods(self) -> None:
+        for method in self._methods:
+            setattr(self, method, _GroupMethod(self, method))
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def _check_live(self) -> None:
+        if self._shut_down:
+            raise WorkerGroupError(f"worker group {self._name!r} was shut down")
+        if not self._actors:
+            raise WorkerGroupError(
+                f"the {self.worker_cls_name} group is not launched; call .launch(cluster, ...)"
+            )
+
+    def _call(
+        self, method: str, ranks: Sequence[int] | None, args: tuple, kwargs: dict
+    ) -> GroupResult:
+        self._check_live()
+        ranks = list(range(len(self._actors))) if ranks is None else list(ranks)
+        refs = [getattr(self._actors[r], method).remote(*args, **kwargs) for r in ranks]
+        return GroupResult(self._name, method, ranks, refs)  # type: ignore[arg-type]
+
+    def execute_on(self, *ranks: int) -> WorkerGroup[W]:
+        """The next method call (on the returned object) runs on ``ranks`` only.
+
+        Thread-safe: the selection belongs to the returned object, not to the group.
+
+        Raises:
+            ValueError: a rank outside the group.
+        """
+        self._check_live()
+        if not ranks:
+            return self
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < len(self._actors)]
+        if bad:
+            raise ValueError(
+                f"execute_on: ranks {bad} are not in group {self._name!r} of size {len(self._actors)}"
+            )
+        return _RankSelection(self, ranks)  # type: ignore[return-value]
+
+    # -- lookup and shutdown ----------------------------------------------------------------
+
+    @classmethod
+    def from_group_name(cls, worker_cls: type[W], group_name: str) -> WorkerGroup[W]:
+        """Reconnect to a running group by name (from the driver or from a worker).
+
+        Raises:
+            WorkerGroupError: no group of that name is running.
+        """
+        info = ray.get(registry().get_group.remote(group_name))
+        if not info or info.get("pending"):
+            raise WorkerGroupError(f"no running worker group named {group_name!r}")
+        group = cls(worker_cls)
+        group._name = group_name
+        group._actors = [
+            ray.get_actor(actor_name(group_name, r), namespace=RLCOMM_NAMESPACE)
+            for r in range(info["world_size"])
+        ]
+        group._methods = set(public_methods(group._worker_cls))
+        group._bind_methods()
+        return group
+
+    def shutdown(
+        self, cleanup_method: str | None = None, timeout: float | None = 30.0, force: bool = False
+    ) -> bool:
+        """End every actor of the group; later calls on it raise :class:`WorkerGroupError`.
+
+        Args:
+            cleanup_method: a worker method to call on every rank first (graceful).
+            timeout: seconds the cleanup may take; then the actors are killed anyway.
+            force: kill at once, skipping ``cleanup_method``.
+
+        Returns:
+            True if the cleanup (when asked) finished on every rank in time.
+        """
+        with self._lock:
+            if self._shut_down:
+                return True
+            self._shut_down = True
+        clean = True
+        if cleanup_method and not force:
+            refs = [getattr(a, cleanup_method).remote() for a in self._actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+            clean = len(ready) == len(refs)
+            if not clean:
+                logger.warning(
+                    "%s.%s() did not finish within %ss; killing the workers",
+                    self._name, cleanup_method, timeout,
+                )
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        try:
+            ray.get(registry().drop_group.remote(self._name), timeout=10)
+        except ray.exceptions.RayError as exc:
+            logger.warning("could not unregister group %s: %s", self._name, exc)
+        return clean
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.worker_cls_name}, name={self._name!r}, world_size={self.world_size})"

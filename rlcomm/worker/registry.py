@@ -1,0 +1,72 @@
+"""The registry: one small named actor that knows every live worker group.
+
+It holds, per group, the worker class name, the world size, the Ray actor names of its
+ranks and each worker's communication endpoint. It is control plane only: looked up
+once per peer and cached, never on a message's data path.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ray
+
+from rlcomm.cluster import RLCOMM_NAMESPACE
+
+REGISTRY_NAME = "rlcomm.registry"
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self._groups: dict[str, dict[str, Any]] = {}
+        self._endpoints: dict[str, Any] = {}
+
+    def reserve_group(self, name: str) -> bool:
+        if name in self._groups:
+            return False
+        self._groups[name] = {"pending": True}
+        return True
+
+    def set_group(self, name: str, info: dict[str, Any]) -> None:
+        self._groups[name] = info
+
+    def drop_group(self, name: str) -> None:
+        self._groups.pop(name, None)
+        prefix = f"{name}:"
+        for key in [k for k in self._endpoints if k.startswith(prefix)]:
+            del self._endpoints[key]
+
+    def get_group(self, name: str) -> dict[str, Any] | None:
+        return self._groups.get(name)
+
+    def set_endpoint(self, address: str, endpoint: Any) -> None:
+        self._endpoints[address] = endpoint
+
+    def get_endpoint(self, address: str) -> Any:
+        return self._endpoints.get(address)
+
+
+_handle: tuple[str, Any] | None = None
+_handle_lock = threading.Lock()
+
+
+def registry():
+    """The registry actor handle, created on first use (cached per Ray job of this process)."""
+    global _handle
+    ctx = ray.get_runtime_context()
+    job = f"{ctx.gcs_address}/{ctx.get_job_id()}"
+    with _handle_lock:
+        if _handle is None or _handle[0] != job:
+            actor = (
+                ray.remote(_Registry)
+                .options(
+                    name=REGISTRY_NAME,
+                    namespace=RLCOMM_NAMESPACE,
+                    get_if_exists=True,
+                    num_cpus=0,
+                )
+                .remote()
+            )
+            _handle = (job, actor)
+        return _handle[1]

@@ -1,0 +1,73 @@
+"""Shared fixtures: one local Ray per test session, and a simulated two-node cluster.
+
+Worker classes defined in test modules are imported by module name in the worker
+processes, so the repository root goes on PYTHONPATH before Ray starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+import ray
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p
+)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+_state: dict[str, object] = {"kind": None, "cluster": None}
+
+
+def _shutdown_current() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = _state.get("cluster")
+    if cluster is not None:
+        cluster.shutdown()
+    _state.update(kind=None, cluster=None)
+
+
+@pytest.fixture
+def ray_local():
+    """The shared single-node local Ray (started once, reused by every test)."""
+    if _state["kind"] != "local" or not ray.is_initialized():
+        _shutdown_current()
+        ray.init(include_dashboard=False, logging_level=logging.WARNING, num_cpus=2)
+        _state["kind"] = "local"
+    yield
+
+
+@pytest.fixture
+def cluster(ray_local):
+    from rlcomm import Cluster
+
+    return Cluster(num_nodes=1)
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A simulated two-node Ray cluster (two raylets on this machine), per test module."""
+    from ray.cluster_utils import Cluster as RayTestCluster
+
+    _shutdown_current()
+    test_cluster = RayTestCluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    test_cluster.add_node(num_cpus=1)
+    test_cluster.wait_for_nodes()
+    ray.init(address=test_cluster.address, logging_level=logging.WARNING)
+    _state.update(kind="two_node", cluster=test_cluster)
+    from rlcomm import Cluster
+
+    yield Cluster(num_nodes=2)
+    _shutdown_current()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _shutdown_current()

@@ -1,0 +1,196 @@
+"""Worker and WorkerGroup on a real local Ray."""
+
+import asyncio
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlcomm import (
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+    RlcommTimeoutError,
+    Worker,
+    WorkerCallError,
+    WorkerGroup,
+    WorkerGroupError,
+)
+
+
+class AllReduceWorker(Worker):
+    def __init__(self):
+        super().__init__()
+
+    def initialize(self):
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")
+        t = torch.ones(size=(1, 1), dtype=torch.float32)
+        dist.all_reduce(t)
+        return t
+
+    def hello(self):
+        return self._rank
+
+    def env(self):
+        keys = ["MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE", "NODE_RANK"]
+        return {k: os.environ[k] for k in keys}
+
+    def address(self):
+        return str(self.worker_address), self.rank, self.world_size
+
+    def fail(self, msg):
+        raise ValueError(msg)
+
+    async def async_hello(self, x):
+        await asyncio.sleep(0.01)
+        return self._rank * x
+
+
+class Caller(Worker):
+    def call_other(self, group_name):
+        other = WorkerGroup.from_group_name(AllReduceWorker, group_name)
+        return other.execute_on(1).hello().wait()
+
+
+def test_seed_example_on_cpu(cluster):
+    group = AllReduceWorker.create_group().launch(
+        cluster, PackedPlacementStrategy(0, 3), name="seed_example"
+    )
+    try:
+        results = group.initialize().wait()
+        assert [r.item() for r in results] == [4.0] * 4
+        assert group.execute_on(0, 3).hello().wait() == [0, 3]
+        assert group.hello().wait() == [0, 1, 2, 3]
+        envs = group.env().wait()
+        assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+        assert {e["MASTER_PORT"] for e in envs} == {envs[0]["MASTER_PORT"]}
+        assert all(e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "4" for e in envs)
+        assert group.address().wait()[2] == ("seed_example:2", 2, 4)
+        assert asyncio.run(group.async_hello(10).async_wait()) == [0, 10, 20, 30]
+    finally:
+        group.shutdown()
+
+
+def test_two_groups_and_from_group_name_inside_worker(cluster):
+    first = AllReduceWorker.create_group().launch(cluster, NodePlacementStrategy([0, 0]), name="first")
+    second = Caller.create_group().launch(cluster, name="second")
+    try:
+        assert second.call_other("first").wait() == [[1]]
+        again = WorkerGroup.from_group_name(AllReduceWorker, "first")
+        assert again.hello().wait() == [0, 1]
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_remote_exception_names_group_rank_method(cluster):
+    group = AllReduceWorker.create_group().launch(cluster, NodePlacementStrategy([0, 0]), name="errs")
+    try:
+        with pytest.raises(WorkerCallError) as info:
+            group.execute_on(1).fail("boom-42").wait()
+        err = info.value
+        assert (err.group_name, err.rank, err.method) == ("errs", 1, "fail")
+        assert "errs[rank 1].fail()" in str(err) and "boom-42" in str(err)
+        assert "ValueError" in err.remote_traceback
+    finally:
+        group.shutdown()
+
+
+def test_execute_on_is_per_caller_and_thread_safe(cluster):
+    group = AllReduceWorker.create_group().launch(cluster, NodePlacementStrategy([0] * 3), name="ts")
+    try:
+        out = {}
+
+        def run(key, ranks):
+            for _ in range(5):
+                out.setdefault(key, []).append(group.execute_on(*ranks).hello().wait())
+
+        threads = [threading.Thread(target=run, args=(k, r)) for k, r in (("a", [0]), ("b", [2, 1]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert out["a"] == [[0]] * 5 and out["b"] == [[2, 1]] * 5
+        with pytest.raises(ValueError, match="not in group"):
+            group.execute_on(7)
+    finally:
+        group.shutdown()
+
+
+def test_names_unique_shutdown_and_clash(cluster):
+    group = AllReduceWorker.create_group().launch(cluster, name="unique")
+    with pytest.raises(WorkerGroupError, match="exists already"):
+        AllReduceWorker.create_group().launch(cluster, name="unique")
+    group.shutdown()
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        group.hello()
+    # The name is free again after shutdown.
+    AllReduceWorker.create_group().launch(cluster, name="unique").shutdown()
+
+    class Clashing(Worker):
+        def shutdown(self):
+            return 1
+
+    with pytest.raises(WorkerGroupError, match="clash"):
+        Clashing.create_group().launch(cluster, name="clash")
+    with pytest.raises(WorkerGroupError, match="no running worker group"):
+        WorkerGroup.from_group_name(AllReduceWorker, "never_launched")
+
+
+class Sleeper(Worker):
+    def nap(self, seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+
+def test_wait_timeout_and_done(cluster):
+    group = Sleeper.create_group().launch(cluster, name="sleepy")
+    try:
+        handle = group.nap(3)
+        assert not handle.done()
+        with pytest.raises(RlcommTimeoutError):
+            handle.wait(timeout=0.2)
+        assert handle.wait(timeout=30) == [3]
+        assert handle.done()
+    finally:
+        group.shutdown()
+
+
+def test_many_workers_on_two_cores(cluster):
+    group = AllReduceWorker.create_group().launch(
+        cluster, NodePlacementStrategy([0] * 8), name="eight"
+    )
+    try:
+        assert group.hello().wait() == list(range(8))
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.multinode
+def test_node_placement_on_two_nodes(two_node_cluster):
+    nodes = two_node_cluster.nodes
+    group = AllReduceWorker.create_group().launch(
+        two_node_cluster, NodePlacementStrategy([0, 1, 1]), name="two_nodes"
+    )
+    try:
+        envs = group.env().wait()
+        assert [e["NODE_RANK"] for e in envs] == ["0", "1", "1"]
+        assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "1"]
+        assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["1", "2", "2"]
+        info = [w["placement"].node_rank for w in group.worker_info_list]
+        assert info == [0, 1, 1]
+        import ray
+
+        from rlcomm.worker.registry import registry
+
+        recorded = ray.get(registry().get_group.remote("two_nodes"))["workers"]
+        assert [w["node_id"] for w in recorded] == [
+            nodes[0].node_id, nodes[1].node_id, nodes[1].node_id
+        ]
+    finally:
+        group.shutdown()
