@@ -1,6 +1,8 @@
 """rlcomm: communication between distributed RL workers, on Ray and torch.distributed."""
 
 from rlcomm.cluster import Cluster
+from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout
+from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
     ChannelClosedError,
     ChannelEmpty,
@@ -32,6 +34,9 @@ from rlcomm.worker.group import GroupResult, WorkerGroup
 from rlcomm.worker.worker import Worker
 
 __all__ = [
+    "AsyncWork",
+    "CollectiveGroupOptions",
+    "set_default_timeout",
     "ChannelClosedError",
     "ChannelEmpty",
     "ChannelError",

@@ -33,7 +33,7 @@ def _shutdown_current() -> None:
     _state.update(kind=None, cluster=None)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_local():
     """The shared single-node local Ray (started once, reused by every test)."""
     if _state["kind"] != "local" or not ray.is_initialized():
@@ -43,7 +43,7 @@ def ray_local():
     yield
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster(ray_local):
     from rlcomm import Cluster
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from rlcomm.comm.manager import CommManager
 from rlcomm.worker.address import WorkerAddress
 from rlcomm.worker.worker import GROUP_NAME_ENV, Worker
 
@@ -124,6 +125,7 @@ def make_actor_class(worker_cls: type[Worker], catch_system_failure: bool) -> ty
         if ctx.catch_system_failure:
             _install_failure_hooks(address)
         self._bind_identity(address, ctx.world_size)
+        CommManager.start(address)
         worker_cls.__init__(self, *args, **kwargs)
 
     def _rlcomm_node_info(self) -> dict[str, Any]:

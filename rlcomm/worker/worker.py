@@ -5,9 +5,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rlcomm.worker.address import WorkerAddress
+import torch
+
+from rlcomm.worker.address import RankLike, WorkerAddress
+from rlcomm.worker.dispatch import DispatchInfoMixin
 
 if TYPE_CHECKING:
+    from rlcomm.comm.manager import CommManager
+    from rlcomm.comm.options import CollectiveGroupOptions
+    from rlcomm.comm.work import AsyncWork
     from rlcomm.worker.group import WorkerGroup
 
 W = TypeVar("W", bound="Worker")
@@ -16,7 +22,7 @@ W = TypeVar("W", bound="Worker")
 GROUP_NAME_ENV = "RLCOMM_GROUP_NAME"
 
 
-class Worker:
+class Worker(DispatchInfoMixin):
     """Base class of every rlcomm worker.
 
     Subclass it with a plain ``__init__`` and launch it with
@@ -45,6 +51,9 @@ class Worker:
             if rank is None or world_size is None:
                 raise ValueError("Worker: a sub-worker needs parent_address, world_size and rank")
             self._bind_identity(parent_address.child(rank), world_size)
+            from rlcomm.comm.manager import CommManager
+
+            CommManager.start(self._worker_address)
         elif not self._rlcomm_bound:
             group = os.environ.get(GROUP_NAME_ENV, "driver")
             self._bind_identity(
@@ -87,3 +96,138 @@ class Worker:
         from rlcomm.worker.group import WorkerGroup
 
         return WorkerGroup(cls, args, kwargs)
+
+    # -- communication ----------------------------------------------------------------------
+
+    @property
+    def _comm(self) -> CommManager:
+        from rlcomm.comm.manager import CommManager
+
+        return CommManager.current()
+
+    def send(
+        self,
+        object: Any,
+        dst_group_name: str,
+        dst_rank: RankLike,
+        async_op: bool = False,
+        options: CollectiveGroupOptions | None = None,
+        piggyback_payload: Any = None,
+    ) -> AsyncWork | None:
+        """Send an object to the worker ``(dst_group_name, dst_rank)``.
+
+        Tensors, lists of tensors, dicts of str -> tensor and dataclasses holding tensors
+        travel as raw bytes (CPU tensors over shared memory or Gloo, CUDA tensors over
+        NCCL) behind a small msgspec header; any other picklable object is pickled.
+
+        Unlike RLinf, this never hangs on call order: the first contact with a peer
+        forms the connection in the background, both ends may post ``async_op=True``
+        ops first, and a send completes as soon as the peer's process has the data,
+        even before the peer calls :meth:`recv`. It is thread-safe: messages of
+        concurrent senders never interleave.
+
+        Args:
+            object: what to send. Do not mix CPU and CUDA tensors in one container.
+            dst_group_name: the destination worker group.
+            dst_rank: its rank, or a rank path (list of ints) for a sub-worker.
+            async_op: return an :class:`AsyncWork` instead of blocking. Do not modify
+                the sent tensors until it is done.
+            options: options of the connection, used on first contact; their
+                ``timeout`` applies to this call.
+            piggyback_payload: any picklable object delivered beside ``object``; the
+                receiver's ``recv`` then returns ``(object, payload)``.
+
+        Returns:
+            An :class:`AsyncWork` if ``async_op``, else None.
+
+        Raises:
+            PeerNotFoundError: no such group or rank (at once).
+            CodecError: the object cannot be encoded.
+            CommTimeoutError, PeerLostError, OptionsMismatchError: the send failed.
+        """
+        dst = WorkerAddress.of(dst_group_name, dst_rank)
+        return self._comm.send(object, dst, async_op, options, piggyback_payload)
+
+    def recv(
+        self,
+        src_group_name: str,
+        src_rank: RankLike,
+        async_op: bool = False,
+        options: CollectiveGroupOptions | None = None,
+    ) -> Any:
+        """Receive the next object the worker ``(src_group_name, src_rank)`` sent.
+
+        Returns the object rebuilt with its types, dtypes and shapes; CUDA tensors land
+        on this thread's current CUDA device. With a piggyback payload it returns
+        ``(object, payload)``. Receives from one peer are served in call order.
+
+        Raises:
+            ProtocolMismatchError: the next message was sent with ``send_tensor`` (it
+                stays queued for a ``recv_tensor``).
+            CommTimeoutError: nothing arrived within the timeout (nothing is lost: a
+                message that arrives later goes to the next receive).
+            PeerLostError: the peer died; messages it sent before are still delivered.
+        """
+        src = WorkerAddress.of(src_group_name, src_rank)
+        return self._comm.recv(src, async_op, options)
+
+    def send_tensor(
+        self,
+        tensor: torch.Tensor,
+        dst_group_name: str,
+        dst_rank: RankLike,
+        async_op: bool = False,
+        options: CollectiveGroupOptions | None = None,
+    ) -> AsyncWork | None:
+        """Send one tensor to be received in place by :meth:`recv_tensor`.
+
+        Pair it with ``recv_tensor`` only; the receiver checks dtype and shape against
+        its buffer and raises :class:`ProtocolMismatchError` on a mismatch.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"send_tensor needs a torch.Tensor, got {type(tensor).__name__}")
+        dst = WorkerAddress.of(dst_group_name, dst_rank)
+        return self._comm.send(tensor, dst, async_op, options, raw=True)
+
+    def recv_tensor(
+        self,
+        tensor: torch.Tensor,
+        src_group_name: str,
+        src_rank: RankLike,
+        async_op: bool = False,
+        options: CollectiveGroupOptions | None = None,
+    ) -> AsyncWork | None:
+        """Receive a ``send_tensor`` message in place into ``tensor`` (contiguous,
+        preallocated with the sender's dtype and shape).
+
+        Raises:
+            ProtocolMismatchError: the message was sent with ``send``, or its dtype or
+                shape differ from ``tensor``'s; the message stays queued.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"recv_tensor needs a torch.Tensor, got {type(tensor).__name__}")
+        src = WorkerAddress.of(src_group_name, src_rank)
+        return self._comm.recv(src, async_op, options, into=tensor)
+
+    def broadcast(
+        self,
+        object: Any = None,
+        groups: list[tuple[str, Any]] | None = None,
+        src: tuple[str, RankLike] | None = None,
+        async_op: bool = False,
+        options: CollectiveGroupOptions | None = None,
+    ) -> Any:
+        """Broadcast an object from ``src`` to every worker listed in ``groups``.
+
+        ``groups`` is a list of ``(group_name, ranks)``; ranks is an int, a list of
+        ints, a tuple (a rank path) or a list of tuples. The expanded list's order gives
+        the ranks of the broadcast group, created on first use. The source defaults to
+        the first listed worker. Every participant calls this with identical ``groups``
+        and ``src``, and gets the object back.
+
+        Returns:
+            The object on every participant (an :class:`AsyncWork` if ``async_op``).
+        """
+        if groups is None:
+            raise ValueError("broadcast: groups is required, e.g. [('trainer', 0), ('rollout', [0, 1])]")
+        return self._comm.broadcast(object, groups, src, async_op, options)

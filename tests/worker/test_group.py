@@ -169,28 +169,3 @@ def test_many_workers_on_two_cores(cluster):
         assert group.hello().wait() == list(range(8))
     finally:
         group.shutdown()
-
-
-@pytest.mark.multinode
-def test_node_placement_on_two_nodes(two_node_cluster):
-    nodes = two_node_cluster.nodes
-    group = AllReduceWorker.create_group().launch(
-        two_node_cluster, NodePlacementStrategy([0, 1, 1]), name="two_nodes"
-    )
-    try:
-        envs = group.env().wait()
-        assert [e["NODE_RANK"] for e in envs] == ["0", "1", "1"]
-        assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "1"]
-        assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["1", "2", "2"]
-        info = [w["placement"].node_rank for w in group.worker_info_list]
-        assert info == [0, 1, 1]
-        import ray
-
-        from rlcomm.worker.registry import registry
-
-        recorded = ray.get(registry().get_group.remote("two_nodes"))["workers"]
-        assert [w["node_id"] for w in recorded] == [
-            nodes[0].node_id, nodes[1].node_id, nodes[1].node_id
-        ]
-    finally:
-        group.shutdown()

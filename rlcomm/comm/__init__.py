@@ -1,0 +1,1 @@
+"""Point-to-point communication: addressing, the message codec, async work and transports."""

@@ -1,0 +1,408 @@
+"""``Connection``: the message stream between this worker and one peer.
+
+A message is a fixed-size *frame* (the msgspec header, and the payload too when it is
+small) followed, for large payloads, by one transport message per tensor. Threads, each
+owned by the connection:
+
+- one *sender* thread runs every send to the peer in call order, so messages of
+  different caller threads never interleave;
+- one *receiver* thread always has a frame receive posted, so a peer's send never waits
+  for this worker's code to call ``recv``. CPU payloads are received eagerly into fresh
+  tensors and queued. A ``send_tensor`` payload (received in place into the caller's
+  buffer) or a CUDA payload (received on the caller's device) waits until a receive op
+  claims it;
+- a *consumer* thread runs the ``async_op=True`` receives in call order.
+
+Receives are served in call order (a ticket per call), so an async receive posted first
+gets the first message even if a blocking receive is called right after it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlcomm.comm import codec, framing
+from rlcomm.comm.codec import Kind, MessageHeader
+from rlcomm.comm.transports.base import Transport
+from rlcomm.comm.transports.nccl import NcclTransport
+from rlcomm.errors import (
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolMismatchError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+
+class _Incoming:
+    """A received message, complete or waiting for a receive op to claim its payload."""
+
+    def __init__(self, header: MessageHeader, inline: bytes):
+        self.header = header
+        self.inline = inline
+        self.tensors: list[torch.Tensor] | None = None
+        self.deferred = False
+        self._claim: concurrent.futures.Future = concurrent.futures.Future()
+        self.received: concurrent.futures.Future = concurrent.futures.Future()
+
+    def claim(self, buffers: list[torch.Tensor]) -> None:
+        self._claim.set_result(buffers)
+
+    def wait_claim(self) -> list[torch.Tensor]:
+        return self._claim.result()
+
+
+class Connection:
+    """The two-way message stream with one peer, over a connected transport.
+
+    Created pending by the manager; :meth:`attach` hands it the connected transport
+    (after the rendezvous) and starts its threads; :meth:`fail` ends it with an error
+    every waiting and later op raises.
+
+    Args:
+        peer: the peer's address, for messages.
+        on_lost: called once when the connection breaks.
+    """
+
+    def __init__(self, peer: str, on_lost: Callable[[Connection], None] | None = None):
+        self.peer = peer
+        self._on_lost = on_lost
+        self._ready = threading.Event()
+        self._error: CommError | None = None
+        self._transport: Transport | None = None
+        self._store: dist.Store | None = None
+        self._rank = 0
+        self._nccl: NcclTransport | None = None
+        self._nccl_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._inbox: deque[_Incoming] = deque()
+        self._next_ticket = 0
+        self._serving = 0
+        self._abandoned: set[int] = set()
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, f"rlcomm-send-{peer}")
+        self._send_lock = threading.Lock()  # held while a message is being sent
+        self._send_state = threading.Lock()  # guards _queued_sends
+        self._queued_sends = 0
+        self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._frame_out = torch.empty(framing.FRAME_BYTES, dtype=torch.uint8)
+        self.transport_name = "pending"
+        # Set by the manager: options this side gave on first contact, the group fields
+        # both ends agreed on, and whether this side's first op checked them.
+        self.requested_options: Any = None
+        self.agreed_fields: dict | None = None
+        self.checked_first_contact = False
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def attach(self, transport: Transport, store: dist.Store, rank: int) -> None:
+        self._transport, self._store, self._rank = transport, store, rank
+        self.transport_name = transport.name
+        threading.Thread(target=self._receive_loop, name=f"rlcomm-recv-{self.peer}",
+                         daemon=True).start()
+        self._ready.set()
+
+    def fail(self, error: CommError) -> None:
+        with self._cond:
+            if self._error is not None:
+                return
+            self._error = error
+            self._cond.notify_all()
+        self._ready.set()
+        for msg in list(self._inbox):
+            if msg.deferred and not msg._claim.done():
+                msg.claim([])  # unblocks the receiver thread
+            if not msg.received.done():
+                msg.received.set_exception(error)
+        if self._on_lost is not None:
+            self._on_lost(self)
+
+    @property
+    def attached(self) -> bool:
+        return self._transport is not None
+
+    @property
+    def error(self) -> CommError | None:
+        return self._error
+
+    def wait_ready(self, timeout: float) -> Transport:
+        if not self._ready.wait(timeout):
+            raise CommTimeoutError(
+                f"no connection with {self.peer} after {timeout}s: the peer did not take part "
+                "in the rendezvous (is it alive and does it exist?)"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._transport  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.fail(PeerLostError(f"the connection with {self.peer} was closed"))
+        self._sender.shutdown(wait=False, cancel_futures=True)
+        if self._consumer is not None:
+            self._consumer.shutdown(wait=False, cancel_futures=True)
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def submit_send(
+        self,
+        header: MessageHeader,
+        tensors: list[torch.Tensor],
+        timeout: float,
+        before: Callable[[], None] | None = None,
+    ) -> concurrent.futures.Future:
+        """Queue a message on the sender thread; the future completes when it left.
+
+        ``before`` runs on the sender thread first (a failed check fails the send).
+        """
+        self._check_sendable()
+        with self._send_state:
+            self._queued_sends += 1
+        return self._sender.submit(self._send_queued, header, tensors, timeout, before)
+
+    def send_inline(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
+        """Send a message from the calling thread, after any queued async sends."""
+        self._check_sendable()
+        with self._send_state:
+            if self._queued_sends:
+                fut = None
+                self._queued_sends += 1
+            else:
+                fut = self._send_lock  # send here, holding the lock
+                self._send_lock.acquire()
+        if fut is None:  # keep order behind the queued sends
+            self._sender.submit(self._send_queued, header, tensors, timeout, None).result()
+            return
+        try:
+            self._send_now(header, tensors, timeout)
+        finally:
+            self._send_lock.release()
+
+    def _check_sendable(self) -> None:
+        if self._error is not None and not isinstance(self._error, CommTimeoutError):
+            raise self._error
+
+    def _send_queued(
+        self,
+        header: MessageHeader,
+        tensors: list[torch.Tensor],
+        timeout: float,
+        before: Callable[[], None] | None,
+    ) -> None:
+        try:
+            if before is not None:
+                before()
+            with self._send_lock:
+                self._send_now(header, tensors, timeout)
+        finally:
+            with self._send_state:
+                self._queued_sends -= 1
+
+    def _send_now(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
+        transport = self.wait_ready(timeout)
+        extra, payload = framing.pack(header, tensors, self._frame_out)
+        transport.send([self._frame_out, *extra, *payload], timeout)
+        if tensors and tensors[0].is_cuda:
+            self._nccl_transport(tensors[0].device, timeout).send(tensors, timeout)
+
+    def _nccl_transport(self, device: torch.device, timeout: float) -> NcclTransport:
+        with self._nccl_lock:
+            if self._nccl is None:
+                self._nccl = NcclTransport(
+                    dist.PrefixStore("nccl", self._store), self._rank, timeout, self.peer, device
+                )
+            return self._nccl
+
+    # -- receiving: the receiver thread ------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        transport = self._transport
+        frame = torch.empty(framing.FRAME_BYTES, dtype=torch.uint8)
+        try:
+            while self._error is None:
+                transport.recv_into([frame], None)
+                extra = None
+                if n := framing.extra_header_bytes(frame):
+                    extra = torch.empty(n, dtype=torch.uint8)
+                    transport.recv_into([extra], None)
+                self._receive_payload(transport, _Incoming(*framing.unpack(frame, extra)))
+        except CommError as exc:
+            self.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - any failure ends the stream, loudly
+            logger.exception("receiver thread for %s failed", self.peer)
+            self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
+
+    def _receive_payload(self, transport: Transport, msg: _Incoming) -> None:
+        header = msg.header
+        metas = header.tensors
+        if header.inline or not metas:
+            if header.kind != Kind.RAW:
+                msg.tensors = framing.split_inline(header, msg.inline)
+            self._enqueue(msg)
+            return
+        on_cuda = metas[0].device.startswith("cuda")
+        if header.kind != Kind.RAW and not on_cuda:
+            tensors = [codec.empty_like_meta(m, torch.device("cpu")) for m in metas]
+            transport.recv_into([codec.as_bytes(t) for t in tensors if t.numel()], None)
+            msg.tensors = tensors
+            self._enqueue(msg)
+            return
+        # Deferred: wait for a receive op to hand over the destination buffers.
+        msg.deferred = True
+        self._enqueue(msg)
+        buffers = msg.wait_claim()
+        if not buffers:  # the connection failed while waiting
+            return
+        try:
+            if buffers[0].is_cuda:
+                self._nccl_transport(buffers[0].device, 600.0).recv_into(buffers, None)
+            else:
+                transport.recv_into([codec.as_bytes(b) for b in buffers if b.numel()], None)
+        except CommError as exc:
+            msg.received.set_exception(exc)
+            raise
+        msg.tensors = buffers
+        msg.received.set_result(buffers)
+
+    def _enqueue(self, msg: _Incoming) -> None:
+        with self._cond:
+            self._inbox.append(msg)
+            self._cond.notify_all()
+
+    # -- receiving: receive ops ---------------------------------------------------------------
+
+    def take_ticket(self) -> int:
+        with self._cond:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            return ticket
+
+    def run_async(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        with self._cond:
+            if self._consumer is None:
+                self._consumer = concurrent.futures.ThreadPoolExecutor(
+                    1, f"rlcomm-consume-{self.peer}"
+                )
+        return self._consumer.submit(fn)
+
+    def receive(
+        self,
+        ticket: int,
+        timeout: float,
+        handle: Callable[[_Incoming], tuple[bool, Any]],
+        what: str,
+    ) -> Any:
+        """Serve receive ``ticket``: wait for its turn and a message, then ``handle`` it.
+
+        ``handle(msg)`` returns ``(consume, result)``; it raises to refuse the message
+        (which then stays queued for the next receive).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            try:
+                while True:
+                    while self._serving in self._abandoned:
+                        self._abandoned.discard(self._serving)
+                        self._serving += 1
+                    if self._serving == ticket and self._inbox:
+                        break
+                    if self._serving == ticket and self._error is not None:
+                        raise self._error
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise CommTimeoutError(
+                            f"{what} from {self.peer}: nothing arrived within {timeout}s"
+                        )
+                    self._cond.wait(remaining)
+                msg = self._inbox[0]
+                consume, result = handle(msg)
+                if consume:
+                    self._inbox.popleft()
+            except BaseException:
+                if self._serving == ticket:
+                    self._serving += 1
+                else:
+                    self._abandoned.add(ticket)
+                self._cond.notify_all()
+                raise
+            self._serving += 1
+            self._cond.notify_all()
+        return result
+
+    def finish_deferred(
+        self, msg: _Incoming, buffers: list[torch.Tensor], timeout: float, what: str
+    ) -> list[torch.Tensor]:
+        """Hand ``buffers`` to the receiver thread for a deferred payload; wait for it."""
+        msg.claim(buffers)
+        try:
+            return msg.received.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CommTimeoutError(
+                f"{what} from {self.peer}: the payload did not arrive within {timeout}s"
+            ) from None
+
+    # -- receive ops ---------------------------------------------------------------------------
+
+    def recv_object(self, ticket: int, timeout: float, device: torch.device | None) -> Any:
+        def handle(msg: _Incoming) -> tuple[bool, Any]:
+            if msg.header.kind == Kind.RAW:
+                raise ProtocolMismatchError(
+                    f"recv from {self.peer}: the peer sent this message with send_tensor(); "
+                    "receive it with recv_tensor() (do not mix send/recv with "
+                    "send_tensor/recv_tensor)"
+                )
+            return True, msg
+
+        msg = self.receive(ticket, timeout, handle, "recv")
+        if msg.deferred:
+            dev = device or torch.device("cuda", torch.cuda.current_device())
+            buffers = [codec.empty_like_meta(m, dev) for m in msg.header.tensors]
+            tensors = self.finish_deferred(msg, buffers, timeout, "recv")
+        else:
+            tensors = msg.tensors
+        return codec.decode(msg.header, tensors)
+
+    def recv_tensor_into(self, ticket: int, tensor: torch.Tensor, timeout: float) -> None:
+        def handle(msg: _Incoming) -> tuple[bool, Any]:
+            header = msg.header
+            if header.kind != Kind.RAW:
+                raise ProtocolMismatchError(
+                    f"recv_tensor from {self.peer}: the peer sent this message with send(); "
+                    "receive it with recv() (do not mix send/recv with send_tensor/recv_tensor)"
+                )
+            meta = header.tensors[0]
+            want = codec.TensorMeta(
+                str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                "cuda" if tensor.is_cuda else "cpu",
+            )
+            if (meta.dtype, tuple(meta.shape)) != (want.dtype, want.shape):
+                raise ProtocolMismatchError(
+                    f"recv_tensor from {self.peer}: the peer sent a {meta.dtype} tensor of shape "
+                    f"{tuple(meta.shape)} but the buffer is {want.dtype} of shape {want.shape}"
+                )
+            if meta.device != want.device:
+                raise ProtocolMismatchError(
+                    f"recv_tensor from {self.peer}: the peer sent a {meta.device} tensor into a "
+                    f"{want.device} buffer; use buffers on the same kind of device"
+                )
+            return True, msg
+
+        if not tensor.is_contiguous():
+            raise ValueError("recv_tensor: the destination tensor must be contiguous")
+        msg = self.receive(ticket, timeout, handle, "recv_tensor")
+        if msg.deferred:
+            self.finish_deferred(msg, [tensor], timeout, "recv_tensor")
+        elif tensor.numel():
+            src = torch.frombuffer(bytearray(msg.inline), dtype=torch.uint8)
+            codec.as_bytes(tensor).copy_(src)

@@ -1,0 +1,368 @@
+"""``CommManager``: this process's connections and broadcast groups, made on first use.
+
+One manager per worker process, started with the worker. It owns the mailbox (and its
+reader thread), a small pool of handshake threads, and every :class:`Connection` and
+:class:`BroadcastGroup`. Peers are found through the registry actor once, then cached.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import itertools
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import ray
+import torch
+import torch.distributed as dist
+
+from rlcomm.comm import codec
+from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
+from rlcomm.comm.connection import Connection
+from rlcomm.comm.options import CollectiveGroupOptions, default_timeout, op_timeout
+from rlcomm.comm.rendezvous import (
+    Endpoint,
+    Mailbox,
+    Note,
+    connect_store,
+    decode_endpoint,
+    encode,
+    post,
+)
+from rlcomm.comm.transports.gloo import GlooTransport
+from rlcomm.comm.work import AsyncWork
+from rlcomm.errors import (
+    CommError,
+    CommTimeoutError,
+    OptionsMismatchError,
+    PeerLostError,
+    PeerNotFoundError,
+    RlcommError,
+)
+from rlcomm.worker.address import RankLike, WorkerAddress
+from rlcomm.worker.registry import registry
+
+logger = logging.getLogger(__name__)
+
+_encode_fields = msgspec.msgpack.Encoder().encode
+_decode_fields = msgspec.msgpack.Decoder(dict | None).decode
+
+
+def parse_address(text: str) -> WorkerAddress:
+    group, _, path = text.rpartition(":")
+    return WorkerAddress(group, tuple(int(p) for p in path.split(".")))
+
+
+class CommManager:
+    """Connections of one worker process (see module docstring).
+
+    Args:
+        address: this worker's address; its mailbox endpoint is registered under it.
+    """
+
+    _current: CommManager | None = None
+    _current_lock = threading.Lock()
+
+    def __init__(self, address: WorkerAddress):
+        self.address = address
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        self._lock = threading.Lock()
+        self._conns: dict[WorkerAddress, Connection] = {}
+        self._bcast: dict[tuple[WorkerAddress, ...], BroadcastGroup] = {}
+        self._endpoints: dict[WorkerAddress, Endpoint] = {}
+        self._attempts = itertools.count()
+        self._handshakes = concurrent.futures.ThreadPoolExecutor(16, "rlcomm-handshake")
+        self._mailbox = Mailbox(host, node_id, self._on_note)
+        self.endpoint = self._mailbox.endpoint
+        ray.get(registry().set_endpoint.remote(str(address), encode(self.endpoint)))
+
+    # -- the process's manager --------------------------------------------------------------
+
+    @classmethod
+    def start(cls, address: WorkerAddress) -> CommManager:
+        with cls._current_lock:
+            if cls._current is None or cls._current.address != address:
+                cls._current = cls(address)
+            return cls._current
+
+    @classmethod
+    def current(cls) -> CommManager:
+        if cls._current is None:
+            raise RlcommError(
+                "this process has no rlcomm communication set up: send/recv work inside "
+                "workers launched with WorkerGroup.launch (or sub-workers given a parent_address)"
+            )
+        return cls._current
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def _endpoint(self, peer: WorkerAddress) -> Endpoint:
+        ep = self._endpoints.get(peer)
+        if ep is not None:
+            return ep
+        data = ray.get(registry().get_endpoint.remote(str(peer)), timeout=60)
+        if data is None:
+            info = ray.get(registry().get_group.remote(peer.group_name), timeout=60)
+            if not info:
+                raise PeerNotFoundError(
+                    f"no worker group named {peer.group_name!r} is running (peer {peer})"
+                )
+            size = info.get("world_size", 0)
+            if not 0 <= peer.rank < size:
+                raise PeerNotFoundError(
+                    f"rank {peer.rank} is not in group {peer.group_name!r} of size {size}"
+                )
+            raise PeerNotFoundError(f"worker {peer} is not running or has not registered")
+        ep = decode_endpoint(data)
+        self._endpoints[peer] = ep
+        return ep
+
+    def connection(self, peer: WorkerAddress, options: CollectiveGroupOptions | None) -> Connection:
+        """The connection with ``peer``, starting the handshake if there is none."""
+        if peer == self.address:
+            raise ValueError(f"{peer}: a worker cannot send to or receive from itself")
+        with self._lock:
+            conn = self._conns.get(peer)
+            if conn is not None:
+                return conn
+        ep = self._endpoint(peer)
+        with self._lock:
+            conn = self._conns.get(peer)
+            if conn is not None:
+                return conn
+            conn = self._new_connection(peer, options)
+        self._handshakes.submit(self._initiate, conn, peer, ep, options)
+        return conn
+
+    def _new_connection(
+        self, peer: WorkerAddress, options: CollectiveGroupOptions | None
+    ) -> Connection:
+        conn = Connection(str(peer), on_lost=lambda c: self._forget(peer, c))
+        conn.requested_options = options
+        self._conns[peer] = conn
+        return conn
+
+    def _forget(self, peer: WorkerAddress, conn: Connection) -> None:
+        with self._lock:
+            if self._conns.get(peer) is conn:
+                del self._conns[peer]
+                self._endpoints.pop(peer, None)
+
+    def _initiate(
+        self, conn: Connection, peer: WorkerAddress, ep: Endpoint,
+        options: CollectiveGroupOptions | None,
+    ) -> None:
+        try:
+            if self.address > peer:
+                self._request(conn, peer, ep, options)
+            else:
+                client = self._reach(peer, ep, op_timeout(options))
+                post(client, Note("invite", str(self.address), self.endpoint.incarnation))
+        except CommError as exc:
+            conn.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - surfaces in the waiting op
+            conn.fail(PeerLostError(f"connecting to {peer} failed: {exc!r}"))
+
+    def _reach(self, peer: WorkerAddress, ep: Endpoint, timeout: float) -> dist.TCPStore:
+        try:
+            return connect_store(ep.host, ep.port, timeout)
+        except Exception as exc:  # noqa: BLE001 - torch raises several kinds here
+            raise PeerLostError(
+                f"cannot reach {peer} at {ep.host}:{ep.port}; its process is probably gone "
+                f"({exc.__class__.__name__})"
+            ) from exc
+
+    def _request(
+        self, conn: Connection, peer: WorkerAddress, ep: Endpoint,
+        options: CollectiveGroupOptions | None,
+    ) -> None:
+        timeout = op_timeout(options)
+        prefix = (
+            f"pair/{peer}/{self.address}/{ep.incarnation}/{self.endpoint.incarnation}/"
+            f"{next(self._attempts)}"
+        )
+        client = self._reach(peer, ep, timeout)
+        fields = options.group_fields() if options is not None else None
+        post(client, Note("request", str(self.address), self.endpoint.incarnation, prefix, fields))
+        try:
+            client.wait([f"{prefix}/reply"])
+        except Exception as exc:  # noqa: BLE001
+            raise CommTimeoutError(
+                f"{peer} did not answer the connection request within {timeout}s"
+            ) from exc
+        reply = client.get(f"{prefix}/reply")
+        if reply.startswith(b"reject:"):
+            raise OptionsMismatchError(reply[len(b"reject:"):].decode())
+        conn.agreed_fields = _decode_fields(reply[len(b"ok:"):])
+        store = dist.PrefixStore(prefix, client)
+        conn.attach(self._transport(store, 1, timeout, peer, ep), store, 1)
+
+    def _transport(
+        self, store: dist.Store, rank: int, timeout: float, peer: WorkerAddress, ep: Endpoint
+    ) -> GlooTransport:
+        return GlooTransport(store, rank, timeout, str(peer))
+
+    def _on_note(self, note: Note) -> None:
+        if note.kind == "request":
+            self._handshakes.submit(self._accept, note)
+        elif note.kind == "invite":
+            self._handshakes.submit(self._on_invite, note)
+
+    def _on_invite(self, note: Note) -> None:
+        peer = parse_address(note.sender)
+        with self._lock:
+            if peer in self._conns:
+                return  # connected or connecting already
+        try:
+            self.connection(peer, None)
+        except CommError as exc:
+            logger.warning("invite from %s could not be answered: %s", peer, exc)
+
+    def _accept(self, note: Note) -> None:
+        peer = parse_address(note.sender)
+        timeout = default_timeout()
+        with self._lock:
+            conn = self._conns.get(peer)
+            if conn is not None and (conn.attached or conn.error is not None):
+                conn.fail(PeerLostError(f"{peer} reconnected; the old connection is closed"))
+                conn = None
+            if conn is None:
+                conn = self._new_connection(peer, None)
+        mine = conn.requested_options
+        mine_fields = mine.group_fields() if mine is not None else None
+        theirs = note.options
+        client = self._mailbox.client(timeout)
+        reply_key = f"{note.prefix}/reply"
+        if mine_fields is not None and theirs is not None and mine_fields != theirs:
+            text = (
+                f"CollectiveGroupOptions differ between {self.address} ({mine_fields}) and "
+                f"{peer} ({theirs}); pass the same options on both ends"
+            )
+            client.set(reply_key, b"reject:" + text.encode())
+            conn.fail(OptionsMismatchError(text))
+            return
+        agreed = theirs if theirs is not None else mine_fields
+        conn.agreed_fields = agreed
+        client.set(reply_key, b"ok:" + _encode_fields(agreed))
+        store = dist.PrefixStore(note.prefix, client)
+        try:
+            ep = self._endpoint(peer)
+            conn.attach(self._transport(store, 0, timeout, peer, ep), store, 0)
+        except CommError as exc:
+            conn.fail(exc)
+
+    def _check_first_contact(
+        self, conn: Connection, options: CollectiveGroupOptions | None, timeout: float
+    ) -> None:
+        """A side's first op with explicit options must agree with the connection's."""
+        if options is None or conn.checked_first_contact:
+            return
+        conn.wait_ready(timeout)
+        conn.checked_first_contact = True
+        agreed = conn.agreed_fields
+        if agreed is not None and agreed != options.group_fields():
+            raise OptionsMismatchError(
+                f"CollectiveGroupOptions differ between {self.address} "
+                f"({options.group_fields()}) and {conn.peer} ({agreed}); pass the same options "
+                "on both ends"
+            )
+
+    # -- ops --------------------------------------------------------------------------------------
+
+    def send(
+        self, obj: Any, dst: WorkerAddress, async_op: bool,
+        options: CollectiveGroupOptions | None, piggyback: Any = None, raw: bool = False,
+    ) -> AsyncWork | None:
+        header, tensors = codec.encode_raw(obj) if raw else codec.encode(obj, piggyback)
+        conn = self.connection(dst, options)
+        timeout = op_timeout(options)
+        if async_op:
+            what = f"{'send_tensor' if raw else 'send'} from {self.address} to {dst}"
+            check = None
+            if options is not None and not conn.checked_first_contact:
+                check = lambda: self._check_first_contact(conn, options, timeout)  # noqa: E731
+            return AsyncWork(conn.submit_send(header, tensors, timeout, check), what, timeout)
+        self._check_first_contact(conn, options, timeout)
+        conn.send_inline(header, tensors, timeout)
+        return None
+
+    def recv(
+        self, src: WorkerAddress, async_op: bool, options: CollectiveGroupOptions | None,
+        into: torch.Tensor | None = None,
+    ) -> Any:
+        conn = self.connection(src, options)
+        ticket = conn.take_ticket()
+        timeout = op_timeout(options)
+        device = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.device("cuda", torch.cuda.current_device())
+
+        def run() -> Any:
+            self._check_first_contact(conn, options, timeout)
+            if into is not None:
+                return conn.recv_tensor_into(ticket, into, timeout)
+            return conn.recv_object(ticket, timeout, device)
+
+        if async_op:
+            what = f"{'recv_tensor' if into is not None else 'recv'} at {self.address} from {src}"
+            return AsyncWork(conn.run_async(run), what, timeout)
+        return run()
+
+    def broadcast(
+        self, obj: Any, groups: GroupsSpec, src: tuple[str, RankLike] | None, async_op: bool,
+        options: CollectiveGroupOptions | None,
+    ) -> Any:
+        members = expand_groups(groups)
+        if self.address not in members:
+            raise ValueError(
+                f"broadcast: this worker {self.address} is not among the participants "
+                f"{[str(m) for m in members]}"
+            )
+        src_index = 0
+        if src is not None:
+            src_addr = WorkerAddress.of(src[0], src[1])
+            if src_addr not in members:
+                raise ValueError(f"broadcast: src {src_addr} is not among the participants")
+            src_index = members.index(src_addr)
+        timeout = op_timeout(options)
+        group = self._broadcast_group(tuple(members), timeout)
+        fut = group.submit(obj, src_index, timeout)
+        work = AsyncWork(fut, f"broadcast at {self.address} from {members[src_index]}", timeout)
+        return work if async_op else work.wait()
+
+    def _broadcast_group(self, members: tuple[WorkerAddress, ...], timeout: float) -> BroadcastGroup:
+        with self._lock:
+            group = self._bcast.get(members)
+        if group is not None:
+            return group
+        eps = [self.endpoint if m == self.address else self._endpoint(m) for m in members]
+        digest = hashlib.sha1(
+            "|".join(f"{m}@{e.incarnation}" for m, e in zip(members, eps)).encode()
+        ).hexdigest()[:16]
+
+        def connect_store_of_leader() -> dist.Store:
+            client = (
+                self._mailbox.client(timeout) if members[0] == self.address
+                else self._reach(members[0], eps[0], timeout)
+            )
+            return dist.PrefixStore(f"bcast/{digest}", client)
+
+        group = BroadcastGroup(
+            connect_store_of_leader, list(members), members.index(self.address)
+        )
+        with self._lock:
+            return self._bcast.setdefault(members, group)
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+            groups, self._bcast = list(self._bcast.values()), {}
+        for conn in conns:
+            conn.close()
+        for group in groups:
+            group.close()
+        self._mailbox.close()

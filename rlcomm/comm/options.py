@@ -1,0 +1,75 @@
+"""``CollectiveGroupOptions``: knobs of a lazily created collective group, and timeouts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+#: Default seconds a communication op may take (``RLCOMM_COMM_TIMEOUT``).
+COMM_TIMEOUT_ENV = "RLCOMM_COMM_TIMEOUT"
+_TRANSPORTS = ("auto", "gloo", "shm")
+
+_default_timeout: float | None = None
+
+
+def set_default_timeout(seconds: float) -> None:
+    """Set the process-wide default timeout of communication ops (seconds, > 0)."""
+    global _default_timeout
+    if seconds <= 0:
+        raise ValueError(f"the default timeout must be > 0 seconds, got {seconds}")
+    _default_timeout = float(seconds)
+
+
+def default_timeout() -> float:
+    """The process-wide default op timeout: set_default_timeout, else the env, else 180 s."""
+    if _default_timeout is not None:
+        return _default_timeout
+    return float(os.environ.get(COMM_TIMEOUT_ENV, 180.0))
+
+
+@dataclass(frozen=True)
+class CollectiveGroupOptions:
+    """Options of the collective group two (or more) workers create on first contact.
+
+    Args:
+        timeout: seconds each op may take, including the first contact's rendezvous;
+            ``None`` takes the process default (:func:`default_timeout`). Unlike the
+            other fields it applies per call and need not match between the ends.
+        transport: CPU payload path: ``"auto"`` (shared memory between workers of one
+            node where available, else Gloo), ``"gloo"`` or ``"shm"`` (same node only).
+
+    The fields other than ``timeout`` define the group: when both ends pass options on
+    first contact and they differ, both ends get :class:`~rlcomm.OptionsMismatchError`.
+    Later calls reuse the group; their options only change the timeout.
+    """
+
+    timeout: float | None = None
+    transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"CollectiveGroupOptions.timeout must be > 0, got {self.timeout}")
+        if self.transport not in _TRANSPORTS:
+            raise ValueError(
+                f"CollectiveGroupOptions.transport must be one of {_TRANSPORTS}, "
+                f"got {self.transport!r}"
+            )
+
+    def effective_timeout(self) -> float:
+        return default_timeout() if self.timeout is None else self.timeout
+
+    def group_fields(self) -> dict[str, Any]:
+        """The fields that define the group and must match between the ends."""
+        data = asdict(self)
+        data.pop("timeout")
+        return data
+
+    @classmethod
+    def from_group_fields(cls, data: dict[str, Any]) -> CollectiveGroupOptions:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def op_timeout(options: CollectiveGroupOptions | None) -> float:
+    return (options or CollectiveGroupOptions()).effective_timeout()

@@ -1,0 +1,1 @@
+"""Transports: move plain tensors between the two ranks of a connection."""

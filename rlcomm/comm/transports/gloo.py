@@ -1,0 +1,79 @@
+"""Gloo transport: a two-rank ``ProcessGroupGloo`` over TCP, built on a given store."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlcomm.comm.transports.base import Transport
+from rlcomm.errors import CommError, CommTimeoutError, PeerLostError
+
+#: How long a receive may wait for a live peer that sends nothing (a week: "forever").
+FOREVER = datetime.timedelta(days=7)
+
+
+def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
+    """Turn a torch.distributed error into rlcomm's timeout / lost-peer errors."""
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
+        return CommTimeoutError(f"{what} with {peer} timed out: {text.splitlines()[0]}")
+    return PeerLostError(
+        f"{what} with {peer} failed, the peer process is gone or its connection broke: "
+        f"{text.splitlines()[0] if text else type(exc).__name__}"
+    )
+
+
+def as_flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory (any dtype, 0-d included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class GlooTransport(Transport):
+    """Two-rank Gloo connection. Tensors of any dtype travel as bytes.
+
+    Args:
+        store: the rendezvous store (a prefix of it private to this connection).
+        rank: 0 or 1.
+        timeout: seconds the rendezvous may take.
+        peer: how error messages name the other end.
+    """
+
+    name = "gloo"
+
+    def __init__(self, store: dist.Store, rank: int, timeout: float, peer: str):
+        self._peer = peer
+        try:
+            self._pg = dist.ProcessGroupGloo(
+                store, rank, 2, datetime.timedelta(seconds=timeout)
+            )
+        except RuntimeError as exc:
+            raise classify_error(exc, "gloo rendezvous", peer) from exc
+        self._other = 1 - rank
+
+    def _wait(self, works: list, timeout: datetime.timedelta, what: str) -> None:
+        try:
+            for work in works:
+                work.wait(timeout)
+        except RuntimeError as exc:
+            raise classify_error(exc, what, self._peer) from exc
+
+    def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
+        try:
+            works = [self._pg.send([as_flat_bytes(t)], self._other, 0) for t in tensors]
+        except RuntimeError as exc:
+            raise classify_error(exc, "send", self._peer) from exc
+        self._wait(works, datetime.timedelta(seconds=timeout), "send")
+
+    def recv_into(self, tensors: Sequence[torch.Tensor], timeout: float | None) -> None:
+        try:
+            works = [self._pg.recv([as_flat_bytes(t)], self._other, 0) for t in tensors]
+        except RuntimeError as exc:
+            raise classify_error(exc, "recv", self._peer) from exc
+        wait = FOREVER if timeout is None else datetime.timedelta(seconds=timeout)
+        self._wait(works, wait, "recv")
+
+    def close(self) -> None:
+        self._pg = None  # type: ignore[assignment]

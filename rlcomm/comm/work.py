@@ -1,0 +1,107 @@
+"""``AsyncWork``: the handle of an operation started with ``async_op=True``."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+from rlcomm.errors import CommTimeoutError
+
+
+class AsyncWork:
+    """A running op: ``wait()`` blocks for its result, ``async_wait()`` awaits it.
+
+    ``wait`` returns what the blocking op would have returned (the received object for a
+    receive, ``None`` for a send). Errors raised inside the op (timeout, lost peer,
+    mismatch) are raised by ``wait`` / ``async_wait``. ``async_wait`` never blocks the
+    event-loop thread and works under the default loop and under uvloop.
+
+    Args:
+        future: completes with the op's result.
+        description: names the op and the peer, for timeout messages.
+        timeout: default seconds for ``wait`` when none is given.
+    """
+
+    def __init__(
+        self,
+        future: concurrent.futures.Future,
+        description: str = "op",
+        timeout: float | None = None,
+    ):
+        self._future = future
+        self._description = description
+        self._timeout = timeout
+
+    @classmethod
+    def completed(cls, value: Any = None, description: str = "op") -> AsyncWork:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(value)
+        return cls(fut, description)
+
+    @classmethod
+    def run_in(
+        cls,
+        executor: concurrent.futures.Executor,
+        fn: Callable[[], Any],
+        description: str,
+        timeout: float | None = None,
+    ) -> AsyncWork:
+        return cls(executor.submit(fn), description, timeout)
+
+    def _resolve_timeout(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is None else timeout
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The op's result.
+
+        Args:
+            timeout: seconds; default the op's own timeout.
+
+        Raises:
+            CommTimeoutError: not done in time (the op itself goes on).
+            Whatever the op raised.
+        """
+        timeout = self._resolve_timeout(timeout)
+        try:
+            return self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise CommTimeoutError(
+                f"{self._description} did not complete within {timeout}s"
+            ) from None
+
+    def done(self) -> bool:
+        """True once the op finished, successfully or not."""
+        return self._future.done()
+
+    async def async_wait(self, timeout: float | None = None) -> Any:
+        """Await the op's result from asyncio (see :meth:`wait`)."""
+        timeout = self._resolve_timeout(timeout)
+        try:
+            # shield: a timed-out await must not cancel an op still queued behind others.
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
+        except asyncio.TimeoutError:
+            raise CommTimeoutError(
+                f"{self._description} did not complete within {timeout}s"
+            ) from None
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+    def then(self, fn: Callable[[Any], Any]) -> AsyncWork:
+        """A work whose result is ``fn(result)``, computed when this one completes."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def chain(fut: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(fn(fut.result()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                out.set_exception(exc)
+
+        self._future.add_done_callback(chain)
+        return AsyncWork(out, self._description, self._timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"AsyncWork({self._description}, {state})"

@@ -1,0 +1,29 @@
+"""Placement on a simulated two-node Ray cluster (two raylets on this machine)."""
+
+import pytest
+import ray
+
+from rlcomm import NodePlacementStrategy
+from rlcomm.worker.registry import registry
+from tests.worker.test_group import AllReduceWorker
+
+
+@pytest.mark.multinode
+def test_node_placement_on_two_nodes(two_node_cluster):
+    nodes = two_node_cluster.nodes
+    group = AllReduceWorker.create_group().launch(
+        two_node_cluster, NodePlacementStrategy([0, 1, 1]), name="two_nodes"
+    )
+    try:
+        envs = group.env().wait()
+        assert [e["NODE_RANK"] for e in envs] == ["0", "1", "1"]
+        assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "1"]
+        assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["1", "2", "2"]
+        info = [w["placement"].node_rank for w in group.worker_info_list]
+        assert info == [0, 1, 1]
+        recorded = ray.get(registry().get_group.remote("two_nodes"))["workers"]
+        assert [w["node_id"] for w in recorded] == [
+            nodes[0].node_id, nodes[1].node_id, nodes[1].node_id
+        ]
+    finally:
+        group.shutdown()
