@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import logging
 import threading
+import uuid
 from typing import Any
 
 import msgspec
@@ -97,6 +98,17 @@ class CommManager:
                 "workers launched with WorkerGroup.launch (or sub-workers given a parent_address)"
             )
         return cls._current
+
+    @classmethod
+    def for_process(cls) -> CommManager:
+        """This process's manager; a process that is no worker (the driver) gets one on
+        first use, addressed ``driver-<id>:0``. Needs Ray to be initialized."""
+        with cls._current_lock:
+            if cls._current is None:
+                if not ray.is_initialized():
+                    raise RlcommError("rlcomm communication from a driver needs ray.init() first")
+                cls._current = cls(WorkerAddress(f"driver-{uuid.uuid4().hex[:8]}", (0,)))
+            return cls._current
 
     # -- peers ----------------------------------------------------------------------------------
 
