@@ -24,6 +24,7 @@ import importlib
 import io
 import math
 import pickle
+from collections import ChainMap
 from enum import IntEnum
 from typing import Annotated, Any, Literal
 
@@ -33,7 +34,6 @@ import torch
 from rlcomm.errors import CodecError
 
 PICKLE_PROTOCOL = 5
-_DEVICES = ("cpu", "cuda")
 # Every torch dtype by its short name ("float32", "bfloat16", "float8_e4m3fn", ...),
 # except the quantized ones, whose scale and zero point a header cannot carry.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -152,6 +152,16 @@ def header_from_bytes(data: bytes | bytearray | memoryview) -> MessageHeader:
     return header
 
 
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a :class:`TensorMeta` dtype name."""
+    return _dtype_of(name)
+
+
+def meta_of(t: torch.Tensor) -> TensorMeta:
+    """The :class:`TensorMeta` describing a cpu or cuda tensor as it would be sent."""
+    return TensorMeta(_DTYPE_NAMES[t.dtype], tuple(t.shape), "cuda" if t.is_cuda else "cpu")
+
+
 def _dtype_of(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
@@ -199,8 +209,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _prepare(t: torch.Tensor) -> tuple[TensorMeta, torch.Tensor]:
     """The meta and the sendable form of a tensor: detached, resolved, contiguous."""
-    device, name = t.device.type, _DTYPE_NAMES.get(t.dtype)
-    if device not in _DEVICES or name is None or t.layout is not torch.strided or t.is_nested:
+    device = "cpu" if t.is_cpu else "cuda" if t.is_cuda else None  # t.device.type is slower
+    name = _DTYPE_NAMES.get(t.dtype)
+    if device is None or name is None or t.layout is not torch.strided or t.is_nested:
         raise CodecError(
             f"cannot send a {'nested ' * t.is_nested}{t.layout} {t.dtype} tensor on {t.device}: "
             "only dense, non-quantized cpu and cuda tensors can be sent; convert it first "
@@ -219,7 +230,12 @@ def _prepare(t: torch.Tensor) -> tuple[TensorMeta, torch.Tensor]:
 
 def _reduce_tensor(t: torch.Tensor) -> tuple:
     """Pickle a tensor as its bytes: torch's own reduce cannot load float8, uint16, ..."""
-    if t.layout is not torch.strided or t.is_nested or t.dtype not in _DTYPE_NAMES or t.is_meta:
+    if (
+        t.layout is not torch.strided
+        or t.is_nested
+        or t.dtype not in _DTYPE_NAMES
+        or not (t.is_cpu or t.is_cuda)
+    ):
         return t.__reduce_ex__(PICKLE_PROTOCOL)  # torch's own way, or its own error
     meta, t = _prepare(t)
     data = as_bytes(t).cpu().numpy().tobytes()
@@ -233,7 +249,8 @@ def _rebuild_tensor(data: bytes, dtype: str, shape: tuple[int, ...], device: str
     return t if device == "cpu" else t.to(device)
 
 
-_OBJECT_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+# Looked up by exact type, so tensor subclasses (nn.Parameter) keep their own pickling.
+_OBJECT_DISPATCH = ChainMap({torch.Tensor: _reduce_tensor}, copyreg.dispatch_table)
 
 
 def _pickle(obj: Any, what: str) -> bytes:
@@ -276,6 +293,11 @@ def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.T
     Args:
         obj: the object; see the module docstring for which kinds have tensors extracted.
         piggyback: an optional extra object pickled into the header; ``None`` means none.
+
+    Caveats: extracted tensors travel independently (views of one storage, or one tensor
+    twice, arrive as separate copies) and arrive as plain detached tensors (an
+    ``nn.Parameter`` arrives as a ``torch.Tensor``). A dataclass must be importable as
+    ``module:qualname`` by the receiver: not defined in a function or only in ``__main__``.
 
     Raises:
         CodecError: CPU and CUDA tensors mixed, something unpicklable, a dataclass defined

@@ -253,9 +253,8 @@ class Connection:
             return
         on_cuda = metas[0].device.startswith("cuda")
         if header.kind != Kind.RAW and not on_cuda:
-            tensors = [codec.empty_like_meta(m, torch.device("cpu")) for m in metas]
-            transport.recv_into([codec.as_bytes(t) for t in tensors if t.numel()], None)
-            msg.tensors = tensors
+            payload = transport.recv_new([m.nbytes for m in metas if m.nbytes], None)
+            msg.tensors = framing.tensors_from_payload(header, payload)
             self._enqueue(msg)
             return
         # Deferred: wait for a receive op to hand over the destination buffers.
@@ -382,10 +381,7 @@ class Connection:
                     "receive it with recv() (do not mix send/recv with send_tensor/recv_tensor)"
                 )
             meta = header.tensors[0]
-            want = codec.TensorMeta(
-                str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                "cuda" if tensor.is_cuda else "cpu",
-            )
+            want = codec.meta_of(tensor)
             if (meta.dtype, tuple(meta.shape)) != (want.dtype, want.shape):
                 raise ProtocolMismatchError(
                     f"recv_tensor from {self.peer}: the peer sent a {meta.dtype} tensor of shape "

@@ -81,3 +81,14 @@ def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor]:
         offset += n
         tensors.append(t)
     return tensors
+
+
+def tensors_from_payload(header: MessageHeader, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Typed tensors from the uint8 payload buffers of a message's non-empty tensors."""
+    tensors, it = [], iter(payload)
+    for meta in header.tensors:
+        if meta.nbytes == 0:
+            tensors.append(codec.empty_like_meta(meta, torch.device("cpu")))
+        else:
+            tensors.append(next(it).view(codec.dtype_of(meta.dtype)).reshape(meta.shape))
+    return tensors

@@ -33,7 +33,9 @@ from rlcomm.comm.rendezvous import (
     encode,
     post,
 )
+from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.gloo import GlooTransport
+from rlcomm.comm.transports.shm import ShmTransport
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
     CommError,
@@ -211,11 +213,22 @@ class CommManager:
             raise OptionsMismatchError(reply[len(b"reject:"):].decode())
         conn.agreed_fields = _decode_fields(reply[len(b"ok:"):])
         store = dist.PrefixStore(prefix, client)
-        conn.attach(self._transport(store, 1, timeout, peer, ep), store, 1)
+        conn.attach(self._transport(store, 1, timeout, peer, ep, conn.agreed_fields), store, 1)
 
     def _transport(
-        self, store: dist.Store, rank: int, timeout: float, peer: WorkerAddress, ep: Endpoint
-    ) -> GlooTransport:
+        self, store: dist.Store, rank: int, timeout: float, peer: WorkerAddress, ep: Endpoint,
+        fields: dict | None,
+    ) -> Transport:
+        """Shared memory between workers of one node (unless the options ask for Gloo),
+        else Gloo. Both ends decide alike: same node ids, same agreed options."""
+        choice = (fields or {}).get("transport", "auto")
+        same_node = ep.node_id == self.endpoint.node_id and ep.host == self.endpoint.host
+        if choice == "shm" and not same_node:
+            raise OptionsMismatchError(
+                f"transport='shm' needs both workers on one node; {peer} is on another node"
+            )
+        if choice in ("auto", "shm") and same_node:
+            return ShmTransport(store, rank, timeout, str(peer))
         return GlooTransport(store, rank, timeout, str(peer))
 
     def _on_note(self, note: Note) -> None:
@@ -263,7 +276,7 @@ class CommManager:
         store = dist.PrefixStore(note.prefix, client)
         try:
             ep = self._endpoint(peer)
-            conn.attach(self._transport(store, 0, timeout, peer, ep), store, 0)
+            conn.attach(self._transport(store, 0, timeout, peer, ep, agreed), store, 0)
         except CommError as exc:
             conn.fail(exc)
 

@@ -45,6 +45,16 @@ class Transport(ABC):
             CommTimeoutError, PeerLostError: as for :meth:`send`.
         """
 
+    def recv_new(self, sizes: Sequence[int], timeout: float | None) -> list[torch.Tensor]:
+        """Receive payloads of ``sizes`` bytes into new uint8 tensors.
+
+        Transports that can hand out received memory without a copy (shared memory)
+        override this; the default allocates and calls :meth:`recv_into`.
+        """
+        tensors = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        self.recv_into(tensors, timeout)
+        return tensors
+
     @abstractmethod
     def close(self) -> None:
         """Release the connection's resources; later calls fail."""

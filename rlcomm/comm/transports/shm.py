@@ -1,0 +1,401 @@
+"""Shared-memory transport for two processes on one node.
+
+Per direction, the sender owns a *ring* (a ``memfd`` mapped by both ends) and a pool of
+*segments* (more ``memfd`` mappings). A small payload is copied into the ring; a payload
+of at least :data:`SEGMENT_THRESHOLD` bytes is copied into a pooled, pre-faulted
+segment and only a descriptor goes through the ring, so the receiver can either copy it
+out (:meth:`recv_into`) or take a zero-copy view of it (:meth:`recv_new`). A segment
+returns to the sender's pool when the receiver is done with it (after the copy, or when
+the last view of it is freed): the receiver clears the segment's byte in the ring's
+state table, and the sender reuses segments whose byte is clear.
+
+Notifications and file descriptors travel over a pair of ``AF_UNIX`` ``SOCK_SEQPACKET``
+sockets (one per direction) bound to abstract names: a one-byte token after every send,
+a token back when the sender waits for ring space, and each new memfd (SCM_RIGHTS).
+Nothing is ever named in ``/dev/shm``, so the kernel frees every byte when a process
+ends, crashes included. A closed socket is how a peer's death is seen.
+
+Ordering: head/tail counters are aligned 8-byte words written by one side each; x86-64
+keeps stores in order, which this relies on (see the README's known limits).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlcomm.comm.transports.base import Transport
+from rlcomm.errors import CommTimeoutError, PeerLostError
+
+#: Bytes of each direction's ring (payloads below the segment threshold, descriptors).
+RING_BYTES = int(os.environ.get("RLCOMM_SHM_RING_BYTES", 8 << 20))
+#: Payloads of at least this many bytes go through pooled segments.
+SEGMENT_THRESHOLD = int(os.environ.get("RLCOMM_SHM_SEGMENT_THRESHOLD", 256 << 10))
+#: Most bytes of segments one direction keeps; past it, payloads stream through the ring.
+POOL_BYTES = int(os.environ.get("RLCOMM_SHM_POOL_BYTES", 4 << 30))
+_MAX_SEGMENTS = 1024
+_MAX_IN_FLIGHT = 4
+_CTRL = 4096  # control block before the ring data: counters and segment states
+_HEAD, _TAIL, _WAITING, _STATES = 0, 8, 16, 1024  # int64 indices / byte offset
+_RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
+_INLINE, _SEGMENT = 1, 2
+_TOKEN = b"t"
+
+
+def _map_fd(fd: int, size: int) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _new_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create(name, getattr(os, "MFD_CLOEXEC", 0))
+    os.ftruncate(fd, size)
+    return fd, _map_fd(fd, size)
+
+
+class _Ring:
+    """A mapped ring: control words, segment states and the data bytes."""
+
+    def __init__(self, mm: mmap.mmap):
+        self.mm = mm
+        self.words = np.frombuffer(mm, dtype=np.int64, count=3)
+        self.states = np.frombuffer(mm, dtype=np.uint8, count=_MAX_SEGMENTS, offset=_STATES)
+        self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=_CTRL, count=RING_BYTES)
+
+
+class _Segment:
+    def __init__(self, seg_id: int, size: int, mm: mmap.mmap):
+        self.id = seg_id
+        self.size = size
+        self.mm = mm
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8, count=size)
+
+
+class ShmTransport(Transport):
+    """Same-node connection over shared memory (see module docstring).
+
+    Args:
+        store: the rendezvous store (a prefix private to this connection).
+        rank: 0 or 1.
+        timeout: seconds the rendezvous may take.
+        peer: how error messages name the other end.
+    """
+
+    name = "shm"
+
+    def __init__(self, store: dist.Store, rank: int, timeout: float, peer: str):
+        self._peer = peer
+        self._closed = False
+        deadline = time.monotonic() + timeout
+        out_fd, out_mm = _new_memfd("rlcomm-ring", _CTRL + RING_BYTES)
+        self._out = _Ring(out_mm)
+        if rank == 0:
+            self._out_sock, self._in_sock, in_fd = self._listen(store, out_fd, deadline)
+        else:
+            self._out_sock, self._in_sock, in_fd = self._connect(store, out_fd, deadline)
+        os.close(out_fd)
+        self._in = _Ring(_map_fd(in_fd, _CTRL + RING_BYTES))
+        os.close(in_fd)
+        for sock in (self._out_sock, self._in_sock):
+            sock.settimeout(None)
+        self._segments: list[_Segment] = []  # outgoing pool
+        self._pool_bytes = 0
+        self._peer_segments: dict[int, _Segment] = {}  # incoming, mapped on first sight
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _seqpacket() -> socket.socket:
+        return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    def _listen(self, store: dist.Store, out_fd: int, deadline: float):
+        server = self._seqpacket()
+        name = f"\0rlcomm-shm-{uuid.uuid4().hex}"
+        server.bind(name)
+        server.listen(2)
+        store.set("shm/addr", name.encode())
+        socks: dict[bytes, socket.socket] = {}
+        in_fd = -1
+        try:
+            while len(socks) < 2:
+                server.settimeout(max(0.01, deadline - time.monotonic()))
+                conn, _ = server.accept()
+                conn.settimeout(max(0.01, deadline - time.monotonic()))
+                role, fds, _, _ = socket.recv_fds(conn, 16, 1)
+                socks[role] = conn
+                if role == b"peer->me":  # carries the peer's ring fd
+                    in_fd = fds[0]
+            socket.send_fds(socks[b"me->peer"], [b"ring"], [out_fd])
+        except (TimeoutError, OSError) as exc:
+            raise CommTimeoutError(f"shm rendezvous with {self._peer} failed: {exc}") from exc
+        finally:
+            server.close()
+        return socks[b"me->peer"], socks[b"peer->me"], in_fd
+
+    def _connect(self, store: dist.Store, out_fd: int, deadline: float):
+        try:
+            store.wait(["shm/addr"])
+            name = store.get("shm/addr").decode()
+            # Roles are named from the listener's side.
+            mine_out = self._seqpacket()
+            mine_out.settimeout(max(0.01, deadline - time.monotonic()))
+            mine_out.connect(name)
+            socket.send_fds(mine_out, [b"peer->me"], [out_fd])
+            mine_in = self._seqpacket()
+            mine_in.settimeout(max(0.01, deadline - time.monotonic()))
+            mine_in.connect(name)
+            mine_in.sendall(b"me->peer")
+            _, fds, _, _ = socket.recv_fds(mine_in, 16, 1)
+        except (TimeoutError, OSError, RuntimeError) as exc:
+            raise CommTimeoutError(f"shm rendezvous with {self._peer} failed: {exc}") from exc
+        return mine_out, mine_in, fds[0]
+
+    # -- notifications ----------------------------------------------------------------------
+
+    def _lost(self, what: str) -> PeerLostError:
+        return PeerLostError(f"{what} with {self._peer} failed: the peer process is gone")
+
+    def _notify(self, sock: socket.socket) -> None:
+        try:
+            sock.send(_TOKEN, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass  # the peer has plenty of unread tokens already
+        except OSError as exc:
+            raise self._lost("shm notify") from exc
+
+    def _wait_readable(self, sock: socket.socket, deadline: float | None, what: str) -> None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise CommTimeoutError(f"{what} with {self._peer} timed out")
+        ready, _, _ = select.select([sock], [], [], remaining)
+        if not ready:
+            raise CommTimeoutError(f"{what} with {self._peer} timed out")
+
+    def _read_sock(self, sock: socket.socket, block: bool, deadline: float | None, what: str) -> bool:
+        """Read one message (token or fd) from ``sock``; False if none was there."""
+        if block:
+            self._wait_readable(sock, deadline, what)
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 64, 1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return False
+            raise self._lost(what) from exc
+        if not data:
+            raise self._lost(what)
+        if fds:
+            seg_id, size = struct.unpack("<IQ", data[1:13])
+            self._peer_segments[seg_id] = _Segment(seg_id, size, _map_fd(fds[0], size))
+            os.close(fds[0])
+        return True
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _space(self) -> int:
+        words = self._out.words
+        return RING_BYTES - int(words[_HEAD // 8] - words[_TAIL // 8])
+
+    def _write(self, src: torch.Tensor, deadline: float) -> None:
+        """Copy ``src`` (uint8) into the ring, waiting for space as needed."""
+        ring, words = self._out.data, self._out.words
+        done, total = 0, src.numel()
+        while done < total:
+            space = self._space()
+            if space == 0:
+                self._wait_space(deadline)
+                continue
+            n = min(space, total - done)
+            head = int(words[_HEAD // 8])
+            pos = head % RING_BYTES
+            first = min(n, RING_BYTES - pos)
+            ring[pos : pos + first].copy_(src[done : done + first])
+            if first < n:
+                ring[: n - first].copy_(src[done + first : done + n])
+            words[_HEAD // 8] = head + n
+            done += n
+            if done < total:
+                self._notify(self._out_sock)
+
+    def _wait_space(self, deadline: float) -> None:
+        words = self._out.words
+        self._notify(self._out_sock)  # the receiver may be asleep with data waiting
+        words[_WAITING // 8] = 1
+        while self._space() == 0:
+            if time.monotonic() > deadline:
+                words[_WAITING // 8] = 0
+                raise CommTimeoutError(f"shm send to {self._peer} timed out (ring full)")
+            try:
+                # Short waits: a token can be missed when both sides race on the flag.
+                self._read_sock(self._out_sock, True, min(deadline, time.monotonic() + 0.002),
+                                "shm send")
+            except CommTimeoutError:
+                pass
+        words[_WAITING // 8] = 0
+
+    def _segment_for(self, nbytes: int, deadline: float) -> _Segment | None:
+        states = self._out.states
+        best = None
+        for seg in self._segments:
+            if states[seg.id] == 0 and seg.size >= nbytes and (best is None or seg.size < best.size):
+                best = seg
+        if best is None:
+            # Grow the pool only while few segments are in flight: a sender that runs far
+            # ahead of its receiver streams through the ring instead of mapping new memory.
+            in_use = sum(int(states[seg.id]) for seg in self._segments)
+            size = max(1 << 20, 1 << (nbytes - 1).bit_length())
+            if (
+                in_use >= _MAX_IN_FLIGHT
+                or self._pool_bytes + size > POOL_BYTES
+                or len(self._segments) >= _MAX_SEGMENTS
+            ):
+                return None
+            seg_id = len(self._segments)
+            fd, mm = _new_memfd("rlcomm-seg", size)
+            best = _Segment(seg_id, size, mm)
+            try:
+                # Bounded: the peer reads its socket whenever its ring runs empty.
+                self._out_sock.settimeout(max(0.01, deadline - time.monotonic()))
+                socket.send_fds(self._out_sock, [b"f" + struct.pack("<IQ", seg_id, size)], [fd])
+            except TimeoutError as exc:
+                raise CommTimeoutError(f"shm send to {self._peer} timed out") from exc
+            except OSError as exc:
+                raise self._lost("shm send") from exc
+            finally:
+                self._out_sock.settimeout(None)
+                os.close(fd)
+            self._segments.append(best)
+            self._pool_bytes += size
+        states[best.id] = 1
+        return best
+
+    def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
+        if self._closed:
+            raise self._lost("shm send")
+        deadline = time.monotonic() + timeout
+        header = torch.empty(_RECORD.size, dtype=torch.uint8)
+        for t in tensors:
+            n = t.numel()
+            seg = self._segment_for(n, deadline) if n >= SEGMENT_THRESHOLD else None
+            if seg is not None:
+                seg.tensor[:n].copy_(t)
+                record = _RECORD.pack(_SEGMENT, seg.id, n)
+            else:
+                record = _RECORD.pack(_INLINE, 0, n)
+            header.copy_(torch.frombuffer(bytearray(record), dtype=torch.uint8))
+            self._write(header, deadline)
+            if seg is None and n:
+                self._write(t, deadline)
+        self._notify(self._out_sock)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def _available(self) -> int:
+        words = self._in.words
+        return int(words[_HEAD // 8] - words[_TAIL // 8])
+
+    def _read(self, dst: torch.Tensor | None, nbytes: int, deadline: float | None) -> bytes | None:
+        """Copy ``nbytes`` out of the incoming ring into ``dst`` (or return them)."""
+        ring, words = self._in.data, self._in.words
+        out = bytearray() if dst is None else None
+        done = 0
+        while done < nbytes:
+            avail = self._available()
+            if avail == 0:
+                self._read_sock(self._in_sock, True, deadline, "shm recv")
+                continue
+            n = min(avail, nbytes - done)
+            tail = int(words[_TAIL // 8])
+            pos = tail % RING_BYTES
+            first = min(n, RING_BYTES - pos)
+            if dst is None:
+                out += ring[pos : pos + first].numpy().tobytes()
+                if first < n:
+                    out += ring[: n - first].numpy().tobytes()
+            else:
+                dst[done : done + first].copy_(ring[pos : pos + first])
+                if first < n:
+                    dst[done + first : done + n].copy_(ring[: n - first])
+            words[_TAIL // 8] = tail + n
+            done += n
+            if words[_WAITING // 8]:
+                words[_WAITING // 8] = 0
+                self._notify(self._in_sock)
+        return bytes(out) if out is not None else None
+
+    def _next_record(self, deadline: float | None) -> tuple[int, int, int]:
+        return _RECORD.unpack(self._read(None, _RECORD.size, deadline))
+
+    def _peer_segment(self, seg_id: int, deadline: float | None) -> _Segment:
+        while seg_id not in self._peer_segments:
+            self._read_sock(self._in_sock, True, deadline, "shm recv")
+        return self._peer_segments[seg_id]
+
+    def _check_size(self, expected: int, got: int) -> None:
+        if expected != got:
+            raise PeerLostError(
+                f"shm stream with {self._peer} is out of step: expected a {expected}-byte "
+                f"payload, the peer sent {got} bytes"
+            )
+
+    def recv_into(self, tensors: Sequence[torch.Tensor], timeout: float | None) -> None:
+        if self._closed:
+            raise self._lost("shm recv")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in tensors:
+            kind, seg_id, n = self._next_record(deadline)
+            self._check_size(t.numel(), n)
+            if kind == _SEGMENT:
+                seg = self._peer_segment(seg_id, deadline)
+                t.copy_(seg.tensor[:n])
+                self._in.states[seg_id] = 0
+            elif n:
+                self._read(t, n, deadline)
+
+    def recv_new(self, sizes: Sequence[int], timeout: float | None) -> list[torch.Tensor]:
+        """Receive payloads of ``sizes`` bytes; large ones as zero-copy views of segments
+        (the segment returns to the sender's pool when the view is freed)."""
+        if self._closed:
+            raise self._lost("shm recv")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for size in sizes:
+            kind, seg_id, n = self._next_record(deadline)
+            self._check_size(size, n)
+            if kind == _SEGMENT:
+                seg = self._peer_segment(seg_id, deadline)
+                arr = np.frombuffer(seg.mm, dtype=np.uint8, count=n)
+                weakref.finalize(arr, _release, self._in.states, seg_id)
+                out.append(torch.from_numpy(arr))
+            else:
+                t = torch.empty(n, dtype=torch.uint8)
+                if n:
+                    self._read(t, n, deadline)
+                out.append(t)
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        for sock in (self._out_sock, self._in_sock):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def _release(states: np.ndarray, seg_id: int) -> None:
+    states[seg_id] = 0
