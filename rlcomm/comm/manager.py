@@ -283,13 +283,16 @@ class CommManager:
     def _check_first_contact(
         self, conn: Connection, options: CollectiveGroupOptions | None, timeout: float
     ) -> None:
-        """A side's first op with explicit options must agree with the connection's."""
-        if options is None or conn.checked_first_contact:
+        """This side's first op on a connection, when it passes options, must agree with
+        the options the connection was made with; later ops' options only set timeouts."""
+        if conn.checked_first_contact:
+            return
+        conn.checked_first_contact = True
+        if options is None:
             return
         conn.wait_ready(timeout)
-        conn.checked_first_contact = True
-        agreed = conn.agreed_fields
-        if agreed is not None and agreed != options.group_fields():
+        agreed = conn.agreed_fields or CollectiveGroupOptions().group_fields()
+        if agreed != options.group_fields():
             raise OptionsMismatchError(
                 f"CollectiveGroupOptions differ between {self.address} "
                 f"({options.group_fields()}) and {conn.peer} ({agreed}); pass the same options "
@@ -308,7 +311,7 @@ class CommManager:
         if async_op:
             what = f"{'send_tensor' if raw else 'send'} from {self.address} to {dst}"
             check = None
-            if options is not None and not conn.checked_first_contact:
+            if not conn.checked_first_contact:
                 check = lambda: self._check_first_contact(conn, options, timeout)  # noqa: E731
             return AsyncWork(conn.submit_send(header, tensors, timeout, check), what, timeout)
         self._check_first_contact(conn, options, timeout)

@@ -1,0 +1,403 @@
+#!/usr/bin/env python
+"""Point-to-point bandwidth and latency: rlcomm's paths beside their baselines, one run.
+
+Two workers (same node by default, ``--nodes 2`` puts them on two nodes of a running
+cluster) move float32 CPU tensors of each size. rlcomm paths: ``send/recv``,
+``send_tensor/recv_tensor``, their ``async_op=True`` variants, ``send/recv`` forced onto
+Gloo, and (when channels are installed) channel ``put/get``. Baselines, measured in the
+same run: raw ``torch.distributed`` Gloo send/recv between the same two actors, a Ray
+actor->actor call with the tensor as argument (default pickling, and with
+``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``), and Ray Direct Transport over Gloo.
+
+Bandwidth is bytes / seconds per transfer (GB/s = 1e9 B/s), latency is half the round
+trip of a ping-pong; each figure is the median of ``--repeats`` timed batches, with min
+and max. Times are taken inside the workers, except for the Ray baselines, which time
+the actor calls the way a Ray user would make them.
+
+    python scripts/bench_p2p.py --json bench_p2p.json --plot bench_p2p.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from rlcomm import Cluster, CollectiveGroupOptions, NodePlacementStrategy, Worker
+
+SIZES = [4, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+LATENCY_MAX = 64 << 10  # sizes up to this also get a ping-pong latency
+GLOO = CollectiveGroupOptions(transport="gloo")
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+class BenchWorker(Worker):
+    """Rank 0 sends, rank 1 receives; each timed method returns seconds (rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self._bufs: dict[int, torch.Tensor] = {}
+
+    def _buf(self, nbytes: int) -> torch.Tensor:
+        if nbytes not in self._bufs:
+            self._bufs = {nbytes: torch.ones(max(1, nbytes // 4), dtype=torch.float32)}
+        return self._bufs[nbytes]
+
+    def _peer(self) -> tuple[str, int]:
+        return self.worker_group_name, 1 - self._rank
+
+    def transfer(self, path: str, nbytes: int, iters: int) -> float:
+        group, peer = self._peer()
+        t = self._buf(nbytes)
+        opts = GLOO if path == "send/recv (gloo)" else None
+        ack = torch.zeros(1)
+        start = time.perf_counter()
+        if path == "raw gloo":
+            if self._rank == 0:
+                for _ in range(iters):
+                    dist.send(t, 1)
+                dist.recv(ack, 1)
+            else:
+                for _ in range(iters):
+                    dist.recv(t, 0)
+                dist.send(ack, 0)
+        elif self._rank == 0:
+            if path in ("send/recv", "send/recv (gloo)"):
+                for _ in range(iters):
+                    self.send(t, group, peer, options=opts)
+            elif path == "send_tensor/recv_tensor":
+                for _ in range(iters):
+                    self.send_tensor(t, group, peer)
+            elif path == "async send/recv":
+                works = [self.send(t, group, peer, async_op=True) for _ in range(iters)]
+                for w in works:
+                    w.wait()
+            self.recv(group, peer, options=opts)
+        else:
+            if path in ("send/recv", "send/recv (gloo)"):
+                for _ in range(iters):
+                    self.recv(group, peer, options=opts)
+            elif path == "send_tensor/recv_tensor":
+                for _ in range(iters):
+                    self.recv_tensor(t, group, peer)
+            elif path == "async send/recv":
+                works = [self.recv(group, peer, async_op=True) for _ in range(iters)]
+                for w in works:
+                    w.wait()
+            self.send(ack, group, peer, options=opts)
+        return time.perf_counter() - start
+
+    def ping_pong(self, path: str, nbytes: int, iters: int) -> float:
+        group, peer = self._peer()
+        t = self._buf(nbytes)
+        start = time.perf_counter()
+        for _ in range(iters):
+            if path == "raw gloo":
+                if self._rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+            elif path == "send_tensor/recv_tensor":
+                if self._rank == 0:
+                    self.send_tensor(t, group, peer)
+                    self.recv_tensor(t, group, peer)
+                else:
+                    self.recv_tensor(t, group, peer)
+                    self.send_tensor(t, group, peer)
+            else:
+                opts = GLOO if path == "send/recv (gloo)" else None
+                if self._rank == 0:
+                    self.send(t, group, peer, options=opts)
+                    self.recv(group, peer, options=opts)
+                else:
+                    got = self.recv(group, peer, options=opts)
+                    self.send(got, group, peer, options=opts)
+        return time.perf_counter() - start
+
+    def init_raw_gloo(self) -> bool:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        return True
+
+    def first_contact(self) -> float:
+        group, peer = self._peer()
+        start = time.perf_counter()
+        if self._rank == 0:
+            self.send(torch.ones(1), group, peer)
+            self.recv(group, peer)
+        else:
+            self.send(self.recv(group, peer), group, peer)
+        return time.perf_counter() - start
+
+
+@ray.remote(num_cpus=0)
+class RayPeer:
+    """A plain Ray actor for the Ray baselines."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self._t: torch.Tensor | None = None
+
+    def sink(self, t: torch.Tensor) -> int:
+        return t.numel()
+
+    def push(self, other: Any, nbytes: int, iters: int) -> float:
+        if self._t is None or self._t.numel() * 4 != nbytes:
+            self._t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        start = time.perf_counter()
+        for _ in range(iters):
+            ray.get(other.sink.remote(self._t))
+        return time.perf_counter() - start
+
+    @ray.method(tensor_transport="gloo")
+    def make(self, nbytes: int) -> torch.Tensor:
+        if self._t is None or self._t.numel() * 4 != nbytes:
+            self._t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        return self._t
+
+
+def _iters(nbytes: int, target: int) -> int:
+    return max(1, min(2000, target // max(nbytes, 1)))
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.records: list[dict[str, Any]] = []
+        ray_kwargs = {"include_dashboard": False, "logging_level": "ERROR"}
+        self.cluster = Cluster(num_nodes=args.nodes, ray_init_kwargs=ray_kwargs)
+        nodes = [0, min(1, args.nodes - 1)]
+        self.pair = BenchWorker.create_group().launch(
+            self.cluster, NodePlacementStrategy(nodes), name="bench_p2p"
+        )
+        self.pair.init_raw_gloo().wait(timeout=120)
+        # Options apply on first contact: the forced-Gloo path gets a pair of its own.
+        self.gloo_pair = BenchWorker.create_group().launch(
+            self.cluster, NodePlacementStrategy(nodes), name="bench_p2p_gloo"
+        )
+        node_ids = [self.cluster.nodes[n].node_id for n in nodes]
+        self.ray_pairs = {}
+        for label, env in (
+            ("ray actor call", {}),
+            ("ray zero-copy", {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}),
+        ):
+            self.ray_pairs[label] = [
+                RayPeer.options(
+                    runtime_env={"env_vars": env} if env else None,
+                    scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                        nid, soft=False
+                    ),
+                ).remote()
+                for nid in node_ids
+            ]
+        self.rdt_ok = self._setup_rdt()
+
+    def _setup_rdt(self) -> bool:
+        try:
+            from ray.experimental.collective import create_collective_group
+
+            create_collective_group(self.ray_pairs["ray actor call"], backend="torch_gloo")
+            a, b = self.ray_pairs["ray actor call"]
+            ray.get(b.sink.remote(a.make.remote(16)), timeout=60)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported
+            print(f"Ray Direct Transport unavailable: {exc!r}", file=sys.stderr)
+            return False
+
+    def record(self, path: str, nbytes: int, metric: str, samples: list[float]) -> None:
+        self.records.append({
+            "path": path, "bytes": nbytes, "metric": metric,
+            "median": statistics.median(samples), "min": min(samples), "max": max(samples),
+        })
+
+    def time_pair(self, method: str, path: str, nbytes: int, iters: int) -> list[float]:
+        pair = self.gloo_pair if path == "send/recv (gloo)" else self.pair
+        getattr(pair, method)(path, nbytes, max(1, iters // 4)).wait(timeout=600)  # warm-up
+        out = []
+        for _ in range(self.args.repeats):
+            out.append(getattr(pair, method)(path, nbytes, iters).wait(timeout=600)[0] / iters)
+        return out
+
+    def time_ray(self, label: str, nbytes: int, iters: int) -> list[float]:
+        a, b = self.ray_pairs[label]
+        ray.get(a.push.remote(b, nbytes, 1), timeout=600)
+        return [ray.get(a.push.remote(b, nbytes, iters), timeout=600) / iters
+                for _ in range(self.args.repeats)]
+
+    def time_rdt(self, nbytes: int, iters: int) -> list[float]:
+        a, b = self.ray_pairs["ray actor call"]
+        ray.get(b.sink.remote(a.make.remote(nbytes)), timeout=600)
+        out = []
+        for _ in range(self.args.repeats):
+            start = time.perf_counter()
+            for _ in range(iters):
+                ray.get(b.sink.remote(a.make.remote(nbytes)), timeout=600)
+            out.append((time.perf_counter() - start) / iters)
+        return out
+
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        paths = ["send/recv", "send_tensor/recv_tensor", "async send/recv", "send/recv (gloo)",
+                 "raw gloo", "ray actor call", "ray zero-copy"]
+        if self.rdt_ok:
+            paths.append("ray direct transport (gloo)")
+        jobs = [(p, s) for s in self.args.sizes for p in paths]
+        jobs += [(f"latency:{p}", s) for s in self.args.sizes if s <= LATENCY_MAX
+                 for p in ("send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo")]
+        for path, nbytes in tqdm(jobs, desc="bench_p2p", unit="case", file=sys.stderr):
+            big = nbytes >= (256 << 20)
+            iters = _iters(nbytes, self.args.target_bytes if not path.startswith("ray") else
+                           self.args.target_bytes // 8)
+            if big and path.startswith("ray"):
+                iters = 1
+            if path.startswith("latency:"):
+                p = path.split(":", 1)[1]
+                rtt = self.time_pair("ping_pong", p, nbytes, min(500, iters))
+                self.record(p, nbytes, "latency_us", [r / 2 * 1e6 for r in rtt])
+                continue
+            if path in ("ray actor call", "ray zero-copy"):
+                secs = self.time_ray(path, nbytes, min(iters, 200))
+            elif path.startswith("ray direct"):
+                secs = self.time_rdt(nbytes, min(iters, 200))
+            else:
+                secs = self.time_pair("transfer", path, nbytes, iters)
+            self.record(path, nbytes, "GB/s", [nbytes / s / 1e9 for s in secs])
+        colds = []
+        for i in range(self.args.cold_repeats):
+            fresh = BenchWorker.create_group().launch(
+                self.cluster, NodePlacementStrategy([0, min(1, self.args.nodes - 1)]),
+                name=f"bench_cold_{i}",
+            )
+            colds.append(fresh.first_contact().wait(timeout=120)[0] * 1e3)
+            fresh.shutdown()
+        self.record("first send/recv of a fresh pair", 4, "cold_ms", colds)
+
+    def table(self) -> str:
+        sizes = self.args.sizes
+        lines = []
+
+        def emit(title: str, metric: str, fmt: str, sizes_here: list[int]) -> None:
+            rows = sorted({r["path"] for r in self.records if r["metric"] == metric},
+                          key=lambda p: [r["path"] for r in self.records].index(p))
+            if not rows:
+                return
+            lines.append(f"\n{title}")
+            head = f"{'path':34s}" + "".join(f"{_human(s):>14s}" for s in sizes_here)
+            lines.append(head)
+            lines.append("-" * len(head))
+            for p in rows:
+                cells = []
+                for s in sizes_here:
+                    r = self.get(p, s, metric)
+                    cells.append(f"{format(r['median'], fmt):>14s}" if r else f"{'-':>14s}")
+                lines.append(f"{p:34s}" + "".join(cells))
+
+        emit("Bandwidth, GB/s (median)", "GB/s", ".3f", sizes)
+        emit("One-way latency, us (median of half round trips)", "latency_us", ".1f",
+             [s for s in sizes if s <= LATENCY_MAX])
+        lines.append("\nRatios, rlcomm send/recv over each baseline (bandwidth; >1 is faster)")
+        head = f"{'baseline':34s}" + "".join(f"{_human(s):>14s}" for s in sizes)
+        lines.append(head)
+        lines.append("-" * len(head))
+        for base in ("raw gloo", "ray actor call", "ray zero-copy", "ray direct transport (gloo)"):
+            cells = []
+            for s in sizes:
+                ours, theirs = self.get("send/recv", s, "GB/s"), self.get(base, s, "GB/s")
+                cells.append(f"{ours['median'] / theirs['median']:>13.2f}x" if ours and theirs
+                             else f"{'-':>14s}")
+            if any(c.strip() != "-" for c in cells):
+                lines.append(f"{base:34s}" + "".join(cells))
+        lat = [(s, self.get("send/recv", s, "latency_us"), self.get("raw gloo", s, "latency_us"))
+               for s in sizes if s <= LATENCY_MAX]
+        if lat:
+            lines.append("\nLatency ratio, rlcomm send/recv over raw gloo (<1 is faster): " + ", ".join(
+                f"{_human(s)} {a['median'] / b['median']:.2f}x" for s, a, b in lat if a and b))
+        cold = self.get("first send/recv of a fresh pair", 4, "cold_ms")
+        if cold:
+            lines.append(f"\nFirst send/recv of a fresh pair (lazy connection): median "
+                         f"{cold['median']:.1f} ms (min {cold['min']:.1f}, max {cold['max']:.1f})")
+        return "\n".join(lines)
+
+    def get(self, path: str, nbytes: int, metric: str) -> dict[str, Any] | None:
+        for r in self.records:
+            if r["path"] == path and r["bytes"] == nbytes and r["metric"] == metric:
+                return r
+        return None
+
+    def plot(self, out: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 6))
+        for path in dict.fromkeys(r["path"] for r in self.records if r["metric"] == "GB/s"):
+            pts = [(r["bytes"], r["median"]) for r in self.records
+                   if r["path"] == path and r["metric"] == "GB/s"]
+            style = "-o" if not path.startswith(("raw", "ray")) else "--s"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=path)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("bandwidth (GB/s)")
+        ax.set_title("Point-to-point bandwidth, two workers, one node (2 cores)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES,
+                        help="comma-separated message sizes in bytes (default 4 B .. 1 GiB)")
+    parser.add_argument("--max-size", type=int, default=None, help="drop sizes above this")
+    parser.add_argument("--repeats", type=int, default=5, help="timed batches per case")
+    parser.add_argument("--target-bytes", type=int, default=256 << 20,
+                        help="bytes moved per timed batch (sets the iterations per size)")
+    parser.add_argument("--cold-repeats", type=int, default=2, help="fresh pairs for cold start")
+    parser.add_argument("--nodes", type=int, default=1, help="2: the two workers on two nodes")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--plot", help="write a bandwidth-vs-size PNG here")
+    args = parser.parse_args(argv)
+    if args.max_size:
+        args.sizes = [s for s in args.sizes if s <= args.max_size]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    args = parse_args(argv)
+    bench = Bench(args)
+    bench.run()
+    print(bench.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "records": bench.records},
+                      f, indent=1)
+    if args.plot:
+        bench.plot(args.plot)
+    bench.pair.shutdown()
+    bench.gloo_pair.shutdown()
+
+
+if __name__ == "__main__":
+    main()
