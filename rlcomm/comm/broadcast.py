@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
+from rlcomm.comm.transports.base import FRAME_BYTES, fixed_frames, frame_rest
 from rlcomm.comm.transports.gloo import FOREVER, classify_error
 from rlcomm.worker.address import WorkerAddress, normalize_rank
 
@@ -66,7 +67,6 @@ class BroadcastGroup:
         self._nccl: Any = None
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "rlcomm-bcast")
-        self._frame = torch.empty(framing.FRAME_BYTES, dtype=torch.uint8)
 
     def submit(self, obj: Any, src: int, timeout: float) -> concurrent.futures.Future:
         return self._executor.submit(self.broadcast, obj, src, timeout)
@@ -103,21 +103,23 @@ class BroadcastGroup:
         with self._lock:
             if self._pg is None:
                 self._connect(timeout)
-            frame = self._frame
             if self.index == src:
                 header, tensors = codec.encode(obj)
-                extra, payload = framing.pack(header, tensors, frame)
-                # The extra-header length travels in the frame; broadcast it too.
-                self._run(self._pg, [frame, *extra, *payload], src, timeout)
-                if tensors and tensors[0].is_cuda:
-                    self._broadcast_cuda(tensors, src, timeout)
+                frame, payload = framing.pack(header, tensors)
+                frames = fixed_frames(frame)
+                on_cuda = bool(tensors) and tensors[0].is_cuda
+                self._run(self._pg, [*frames, *([] if on_cuda else payload)], src, timeout)
+                if on_cuda:
+                    self._broadcast_cuda(payload, src, timeout)
                 return obj
-            self._run(self._pg, [frame], src, timeout)
-            extra = None
-            if n := framing.extra_header_bytes(frame):
-                extra = torch.empty(n, dtype=torch.uint8)
-                self._run(self._pg, [extra], src, timeout)
-            header, inline = framing.unpack(frame, extra)
+            first = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+            self._run(self._pg, [first], src, timeout)
+            frame, rest = frame_rest(first)
+            if rest:
+                more = torch.empty(rest, dtype=torch.uint8)
+                self._run(self._pg, [more], src, timeout)
+                frame += more.numpy().tobytes()
+            header, inline = framing.unpack(frame)
             metas = header.tensors
             if header.inline or not metas:
                 tensors = framing.split_inline(header, inline)

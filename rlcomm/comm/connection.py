@@ -95,7 +95,6 @@ class Connection:
         self._send_state = threading.Lock()  # guards _queued_sends
         self._queued_sends = 0
         self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
-        self._frame_out = torch.empty(framing.FRAME_BYTES, dtype=torch.uint8)
         self.transport_name = "pending"
         # Set by the manager: options this side gave on first contact, the group fields
         # both ends agreed on, and whether this side's first op checked them.
@@ -211,10 +210,12 @@ class Connection:
 
     def _send_now(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
         transport = self.wait_ready(timeout)
-        extra, payload = framing.pack(header, tensors, self._frame_out)
-        transport.send([self._frame_out, *extra, *payload], timeout)
+        frame, payload = framing.pack(header, tensors)
         if tensors and tensors[0].is_cuda:
-            self._nccl_transport(tensors[0].device, timeout).send(tensors, timeout)
+            transport.send_frame(frame, [], timeout)
+            self._nccl_transport(tensors[0].device, timeout).send(payload, timeout)
+        else:
+            transport.send_frame(frame, payload, timeout)
 
     def _nccl_transport(self, device: torch.device, timeout: float) -> NcclTransport:
         with self._nccl_lock:
@@ -228,15 +229,10 @@ class Connection:
 
     def _receive_loop(self) -> None:
         transport = self._transport
-        frame = torch.empty(framing.FRAME_BYTES, dtype=torch.uint8)
         try:
             while self._error is None:
-                transport.recv_into([frame], None)
-                extra = None
-                if n := framing.extra_header_bytes(frame):
-                    extra = torch.empty(n, dtype=torch.uint8)
-                    transport.recv_into([extra], None)
-                self._receive_payload(transport, _Incoming(*framing.unpack(frame, extra)))
+                frame = transport.recv_frame(None)
+                self._receive_payload(transport, _Incoming(*framing.unpack(frame)))
         except CommError as exc:
             self.fail(exc)
         except Exception as exc:  # noqa: BLE001 - any failure ends the stream, loudly
@@ -399,6 +395,5 @@ class Connection:
         msg = self.receive(ticket, timeout, handle, "recv_tensor")
         if msg.deferred:
             self.finish_deferred(msg, [tensor], timeout, "recv_tensor")
-        elif tensor.numel():
-            src = torch.frombuffer(bytearray(msg.inline), dtype=torch.uint8)
-            codec.as_bytes(tensor).copy_(src)
+        else:
+            framing.copy_inline_into(tensor, msg.inline)

@@ -1,86 +1,76 @@
-"""Frames: the fixed-size opening of every message (header, and small payloads inline).
+"""Frames: the opening of every message, the header and small payloads inline.
 
-Layout of a frame of :data:`FRAME_BYTES` bytes: a little-endian u32 header length, the
-msgspec header, then ``header.inline`` payload bytes when the whole payload fits. A
-header longer than the frame continues in one extra message of exactly the missing
-length. Pure: no I/O.
+A frame is a byte string: a little-endian u32 header length, the msgspec header, then
+``header.inline`` payload bytes when the whole CPU payload is small enough to ride
+along. Transports move frames with ``send_frame`` / ``recv_frame`` (shared memory as a
+record of its own length, Gloo as fixed-size messages). Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
 
 from rlcomm.comm import codec
 from rlcomm.comm.codec import MessageHeader
 
-#: Bytes of the frame that opens every message.
-FRAME_BYTES = 4096
+#: Payloads up to this many bytes (all tensors of a message together) ride in the frame.
+INLINE_BYTES = 4000
 _LEN = struct.Struct("<I")
 
 
-def pack(
-    header: MessageHeader, tensors: list[torch.Tensor], frame: torch.Tensor
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Fill ``frame`` for a message; return (extra header messages, payload messages).
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    return codec.as_bytes(t).numpy().tobytes()
 
-    Sets ``header.inline``: CPU payloads that fit in the frame with the header ride
-    inline, and the payload list is then empty. CUDA payloads never ride inline.
+
+def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    """The frame of a message and the payload tensors that follow it (as uint8 views).
+
+    Sets ``header.inline``: a CPU payload of at most :data:`INLINE_BYTES` rides in the
+    frame and the payload list is then empty. CUDA payloads never ride inline; their
+    tensors are returned as they are, for the accelerator transport.
     """
     on_cuda = bool(tensors) and tensors[0].is_cuda
     total = sum(t.numel() * t.element_size() for t in tensors)
-    header.inline = total if (total and not on_cuda and total < FRAME_BYTES) else 0
-    hb = codec.header_to_bytes(header)
-    if header.inline and _LEN.size + len(hb) + total > FRAME_BYTES:
-        header.inline = 0
+    if total and not on_cuda and total <= INLINE_BYTES:
+        header.inline = total
         hb = codec.header_to_bytes(header)
-    head = _LEN.pack(len(hb)) + hb
-    extra: list[torch.Tensor] = []
-    if len(head) > FRAME_BYTES:
-        extra.append(torch.frombuffer(bytearray(head[FRAME_BYTES:]), dtype=torch.uint8))
-        head = head[:FRAME_BYTES]
-    frame[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    if header.inline:
-        offset = len(head)
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            if n:
-                frame[offset : offset + n].copy_(codec.as_bytes(t))
-            offset += n
-        return extra, []
-    return extra, [codec.as_bytes(t) for t in tensors if t.numel()] if not on_cuda else []
+        return b"".join([_LEN.pack(len(hb)), hb, *(_raw_bytes(t) for t in tensors)]), []
+    header.inline = 0
+    hb = codec.header_to_bytes(header)
+    if on_cuda:
+        return _LEN.pack(len(hb)) + hb, list(tensors)
+    return _LEN.pack(len(hb)) + hb, [codec.as_bytes(t) for t in tensors if t.numel()]
 
 
-def extra_header_bytes(frame: torch.Tensor) -> int:
-    """How many header bytes follow the frame in an extra message (usually 0)."""
-    (hlen,) = _LEN.unpack_from(frame[: _LEN.size].numpy().tobytes())
-    return max(0, _LEN.size + hlen - FRAME_BYTES)
-
-
-def unpack(frame: torch.Tensor, extra: torch.Tensor | None = None) -> tuple[MessageHeader, bytes]:
-    """The header and inline payload bytes of a received frame (plus its extra part)."""
-    raw = frame.numpy().tobytes()
-    (hlen,) = _LEN.unpack_from(raw)
+def unpack(frame: bytes) -> tuple[MessageHeader, bytes]:
+    """The header and inline payload bytes of a received frame."""
+    (hlen,) = _LEN.unpack_from(frame)
     start = _LEN.size
-    if extra is not None:
-        return codec.header_from_bytes(raw[start:] + extra.numpy().tobytes()), b""
-    header = codec.header_from_bytes(raw[start : start + hlen])
-    return header, raw[start + hlen : start + hlen + header.inline]
+    header = codec.header_from_bytes(frame[start : start + hlen])
+    return header, frame[start + hlen : start + hlen + header.inline]
 
 
 def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor]:
     """Rebuild a message's CPU tensors from its inline bytes."""
     tensors, offset = [], 0
-    raw = torch.frombuffer(bytearray(inline), dtype=torch.uint8) if inline else None
     for meta in header.tensors:
-        t = codec.empty_like_meta(meta, torch.device("cpu"))
         n = meta.nbytes
         if n:
-            codec.as_bytes(t).copy_(raw[offset : offset + n])
+            raw = torch.frombuffer(bytearray(inline[offset : offset + n]), dtype=torch.uint8)
+            tensors.append(raw.view(codec.dtype_of(meta.dtype)).reshape(meta.shape))
+        else:
+            tensors.append(codec.empty_like_meta(meta, torch.device("cpu")))
         offset += n
-        tensors.append(t)
     return tensors
+
+
+def copy_inline_into(tensor: torch.Tensor, inline: bytes) -> None:
+    """Copy a one-tensor inline payload into ``tensor`` (contiguous, same byte size)."""
+    if inline:
+        codec.as_bytes(tensor).numpy()[:] = np.frombuffer(inline, dtype=np.uint8)
 
 
 def tensors_from_payload(header: MessageHeader, payload: list[torch.Tensor]) -> list[torch.Tensor]:

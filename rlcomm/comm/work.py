@@ -66,6 +66,8 @@ class AsyncWork:
         timeout = self._resolve_timeout(timeout)
         try:
             return self._future.result(timeout=timeout)
+        except CommTimeoutError:  # raised by the op itself (a TimeoutError too, since 3.11)
+            raise
         except concurrent.futures.TimeoutError:
             raise CommTimeoutError(
                 f"{self._description} did not complete within {timeout}s"
@@ -81,6 +83,8 @@ class AsyncWork:
         try:
             # shield: a timed-out await must not cancel an op still queued behind others.
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
+        except CommTimeoutError:
+            raise
         except asyncio.TimeoutError:
             raise CommTimeoutError(
                 f"{self._description} did not complete within {timeout}s"

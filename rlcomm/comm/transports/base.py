@@ -11,10 +11,37 @@ not send (or receive) on one transport at once — the connection above serializ
 
 from __future__ import annotations
 
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+#: Size of the fixed frames of transports that need equal-sized messages (Gloo).
+FRAME_BYTES = 4096
+_TOTAL = struct.Struct("<I")
+
+
+def fixed_frames(frame: bytes) -> list[torch.Tensor]:
+    """``frame`` as one :data:`FRAME_BYTES` tensor (its length first), plus one tensor
+    with the rest when it does not fit."""
+    head = _TOTAL.pack(len(frame)) + frame
+    first = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    cut = min(len(head), FRAME_BYTES)
+    first.numpy()[:cut] = np.frombuffer(head, dtype=np.uint8, count=cut)
+    if len(head) <= FRAME_BYTES:
+        return [first]
+    return [first, torch.frombuffer(bytearray(head[FRAME_BYTES:]), dtype=torch.uint8)]
+
+
+def frame_rest(first: torch.Tensor) -> tuple[bytes, int]:
+    """The frame bytes inside a received first fixed frame, and how many bytes follow in
+    a second message (0 for most frames)."""
+    raw = first.numpy()
+    (total,) = _TOTAL.unpack_from(raw)
+    here = min(total, FRAME_BYTES - _TOTAL.size)
+    return raw[_TOTAL.size : _TOTAL.size + here].tobytes(), total - here
 
 
 class Transport(ABC):
@@ -44,6 +71,24 @@ class Transport(ABC):
         Raises:
             CommTimeoutError, PeerLostError: as for :meth:`send`.
         """
+
+    def send_frame(self, frame: bytes, payload: Sequence[torch.Tensor], timeout: float) -> None:
+        """Send a message frame (a short byte string), then ``payload``.
+
+        The default sends fixed-size frames; byte-stream transports send just the bytes.
+        """
+        self.send([*fixed_frames(frame), *payload], timeout)
+
+    def recv_frame(self, timeout: float | None) -> bytes:
+        """Receive the next frame sent with :meth:`send_frame` (its payload follows)."""
+        first = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self.recv_into([first], timeout)
+        data, rest = frame_rest(first)
+        if rest:
+            more = torch.empty(rest, dtype=torch.uint8)
+            self.recv_into([more], timeout)
+            data += more.numpy().tobytes()
+        return data
 
     def recv_new(self, sizes: Sequence[int], timeout: float | None) -> list[torch.Tensor]:
         """Receive payloads of ``sizes`` bytes into new uint8 tensors.

@@ -50,7 +50,7 @@ _MAX_IN_FLIGHT = 4
 _CTRL = 4096  # control block before the ring data: counters and segment states
 _HEAD, _TAIL, _WAITING, _STATES = 0, 8, 16, 1024  # int64 indices / byte offset
 _RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
-_INLINE, _SEGMENT = 1, 2
+_INLINE, _SEGMENT, _FRAME = 1, 2, 3
 _TOKEN = b"t"
 
 
@@ -209,10 +209,13 @@ class ShmTransport(Transport):
         words = self._out.words
         return RING_BYTES - int(words[_HEAD // 8] - words[_TAIL // 8])
 
-    def _write(self, src: torch.Tensor, deadline: float) -> None:
-        """Copy ``src`` (uint8) into the ring, waiting for space as needed."""
-        ring, words = self._out.data, self._out.words
-        done, total = 0, src.numel()
+    def _write(self, src: torch.Tensor | bytes, deadline: float) -> None:
+        """Copy ``src`` (a uint8 tensor, or bytes) into the ring, waiting for space."""
+        words = self._out.words
+        is_bytes = isinstance(src, (bytes, bytearray))
+        ring = self._out.mm if is_bytes else self._out.data
+        base = _CTRL if is_bytes else 0
+        done, total = 0, len(src) if is_bytes else src.numel()
         while done < total:
             space = self._space()
             if space == 0:
@@ -222,9 +225,14 @@ class ShmTransport(Transport):
             head = int(words[_HEAD // 8])
             pos = head % RING_BYTES
             first = min(n, RING_BYTES - pos)
-            ring[pos : pos + first].copy_(src[done : done + first])
-            if first < n:
-                ring[: n - first].copy_(src[done + first : done + n])
+            if is_bytes:
+                ring[base + pos : base + pos + first] = src[done : done + first]
+                if first < n:
+                    ring[base : base + n - first] = src[done + first : done + n]
+            else:
+                ring[pos : pos + first].copy_(src[done : done + first])
+                if first < n:
+                    ring[: n - first].copy_(src[done + first : done + n])
             words[_HEAD // 8] = head + n
             done += n
             if done < total:
@@ -286,20 +294,28 @@ class ShmTransport(Transport):
         if self._closed:
             raise self._lost("shm send")
         deadline = time.monotonic() + timeout
-        header = torch.empty(_RECORD.size, dtype=torch.uint8)
+        self._send_payload(tensors, deadline)
+        self._notify(self._out_sock)
+
+    def send_frame(self, frame: bytes, payload: Sequence[torch.Tensor], timeout: float) -> None:
+        if self._closed:
+            raise self._lost("shm send")
+        deadline = time.monotonic() + timeout
+        self._write(_RECORD.pack(_FRAME, 0, len(frame)) + frame, deadline)
+        self._send_payload(payload, deadline)
+        self._notify(self._out_sock)
+
+    def _send_payload(self, tensors: Sequence[torch.Tensor], deadline: float) -> None:
         for t in tensors:
             n = t.numel()
             seg = self._segment_for(n, deadline) if n >= SEGMENT_THRESHOLD else None
             if seg is not None:
                 seg.tensor[:n].copy_(t)
-                record = _RECORD.pack(_SEGMENT, seg.id, n)
+                self._write(_RECORD.pack(_SEGMENT, seg.id, n), deadline)
             else:
-                record = _RECORD.pack(_INLINE, 0, n)
-            header.copy_(torch.frombuffer(bytearray(record), dtype=torch.uint8))
-            self._write(header, deadline)
-            if seg is None and n:
-                self._write(t, deadline)
-        self._notify(self._out_sock)
+                self._write(_RECORD.pack(_INLINE, 0, n), deadline)
+                if n:
+                    self._write(t.numpy().tobytes() if n <= 4096 else t, deadline)
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -309,8 +325,8 @@ class ShmTransport(Transport):
 
     def _read(self, dst: torch.Tensor | None, nbytes: int, deadline: float | None) -> bytes | None:
         """Copy ``nbytes`` out of the incoming ring into ``dst`` (or return them)."""
-        ring, words = self._in.data, self._in.words
-        out = bytearray() if dst is None else None
+        words = self._in.words
+        parts: list[bytes] = []
         done = 0
         while done < nbytes:
             avail = self._available()
@@ -322,10 +338,12 @@ class ShmTransport(Transport):
             pos = tail % RING_BYTES
             first = min(n, RING_BYTES - pos)
             if dst is None:
-                out += ring[pos : pos + first].numpy().tobytes()
+                mm = self._in.mm
+                parts.append(mm[_CTRL + pos : _CTRL + pos + first])
                 if first < n:
-                    out += ring[: n - first].numpy().tobytes()
+                    parts.append(mm[_CTRL : _CTRL + n - first])
             else:
+                ring = self._in.data
                 dst[done : done + first].copy_(ring[pos : pos + first])
                 if first < n:
                     dst[done + first : done + n].copy_(ring[: n - first])
@@ -334,7 +352,7 @@ class ShmTransport(Transport):
             if words[_WAITING // 8]:
                 words[_WAITING // 8] = 0
                 self._notify(self._in_sock)
-        return bytes(out) if out is not None else None
+        return b"".join(parts) if dst is None else None
 
     def _next_record(self, deadline: float | None) -> tuple[int, int, int]:
         return _RECORD.unpack(self._read(None, _RECORD.size, deadline))
@@ -350,6 +368,15 @@ class ShmTransport(Transport):
                 f"shm stream with {self._peer} is out of step: expected a {expected}-byte "
                 f"payload, the peer sent {got} bytes"
             )
+
+    def recv_frame(self, timeout: float | None) -> bytes:
+        if self._closed:
+            raise self._lost("shm recv")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        kind, _, n = self._next_record(deadline)
+        if kind != _FRAME:
+            raise PeerLostError(f"shm stream with {self._peer} is out of step: expected a frame")
+        return self._read(None, n, deadline)
 
     def recv_into(self, tensors: Sequence[torch.Tensor], timeout: float | None) -> None:
         if self._closed:
