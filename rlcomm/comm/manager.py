@@ -54,6 +54,11 @@ _encode_fields = msgspec.msgpack.Encoder().encode
 _decode_fields = msgspec.msgpack.Decoder(dict | None).decode
 
 
+def _ray_session() -> str:
+    ctx = ray.get_runtime_context()
+    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+
+
 def parse_address(text: str) -> WorkerAddress:
     group, _, path = text.rpartition(":")
     return WorkerAddress(group, tuple(int(p) for p in path.split(".")))
@@ -68,6 +73,8 @@ class CommManager:
 
     _current: CommManager | None = None
     _current_lock = threading.Lock()
+    #: For a driver's manager: the Ray session it was made in (``None`` for workers).
+    _driver_session: str | None = None
 
     def __init__(self, address: WorkerAddress):
         self.address = address
@@ -104,12 +111,26 @@ class CommManager:
     @classmethod
     def for_process(cls) -> CommManager:
         """This process's manager; a process that is no worker (the driver) gets one on
-        first use, addressed ``driver-<id>:0``. Needs Ray to be initialized."""
+        first use, addressed ``driver-<id>:0``, and a new one after a Ray restart (the
+        old one's registry and peers are gone). Needs Ray to be initialized."""
         with cls._current_lock:
+            current = cls._current
+            if (
+                current is not None
+                and current._driver_session is not None
+                and ray.is_initialized()
+                and current._driver_session != _ray_session()
+            ):
+                cls._current = None
+                try:
+                    current.close()
+                except Exception:  # noqa: BLE001 - its Ray is gone; nothing to save
+                    logger.debug("closing the driver's stale comm manager failed", exc_info=True)
             if cls._current is None:
                 if not ray.is_initialized():
                     raise RlcommError("rlcomm communication from a driver needs ray.init() first")
                 cls._current = cls(WorkerAddress(f"driver-{uuid.uuid4().hex[:8]}", (0,)))
+                cls._current._driver_session = _ray_session()
             return cls._current
 
     # -- peers ----------------------------------------------------------------------------------

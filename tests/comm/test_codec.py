@@ -37,6 +37,7 @@ from rlcomm.comm.codec import (
 )
 from rlcomm.errors import CodecError
 
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ALL_DTYPES = sorted(codec._DTYPES.items())
 COMMON_DTYPES = [
@@ -251,6 +252,18 @@ def test_everything_else_is_one_pickled_cpu_tensor(obj):
     (meta,) = header.tensors
     assert meta.dtype == "uint8" and meta.device == "cpu" and len(meta.shape) == 1
     same(obj, out)
+
+
+def test_tensors_inside_pickled_objects_travel_detached_and_contiguous():
+    ts = [random_tensor(dtype, (3, 2), 5) for _, dtype in ALL_DTYPES]  # float8, uint16, ...
+    grad = torch.randn(2, 3, requires_grad=True)
+    obj = ("mixed", ts, {"t": grad.T, 1: torch.nn.Parameter(torch.ones(2))}, torch.ones(0))
+    header, out = _transfer(obj)
+    assert header.kind == Kind.OBJECT
+    same(obj[:2], out[:2])
+    assert out[2]["t"].is_contiguous() and not out[2]["t"].requires_grad
+    assert torch.equal(out[2]["t"], grad.T) and out[3].shape == (0,)
+    assert type(out[2][1]) is torch.nn.Parameter  # subclasses pickle their own way
 
 
 def test_raw_tensor():

@@ -226,6 +226,19 @@ class Peer(Worker):
             return type(exc).__name__, str(exc), time.monotonic() - start
         return None, "", time.monotonic() - start
 
+    def transport_to(self, group, rank):
+        return self._comm.connection(self._comm.address.__class__.of(group, rank), None).transport_name
+
+    def send_many(self, group, rank, sizes, options=None):
+        for i, n in enumerate(sizes):
+            self.send(torch.full((n,), i, dtype=torch.int32), group, rank, options=options)
+        return True
+
+    def recv_many(self, group, rank, count, hold=False, options=None):
+        got = [self.recv(group, rank, options=options) for _ in range(count)]
+        ok = all(bool((t == i).all()) for i, t in enumerate(got))
+        return ok, [t.numel() for t in got]
+
     def broadcast_from(self, obj, groups, src):
         return self.broadcast(obj, groups=groups, src=src)
 

@@ -1,0 +1,114 @@
+"""The shared-memory transport alone: two ends in one process (threads), a real store."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlcomm.comm.transports import shm
+from rlcomm.comm.transports.shm import ShmTransport
+from rlcomm.errors import CommTimeoutError, PeerLostError
+
+
+@pytest.fixture
+def pair():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # One client connection per end, as in two processes (a client serializes its ops).
+    stores = [server, dist.TCPStore("127.0.0.1", server.port, is_master=False)]
+    ends: dict[int, ShmTransport] = {}
+
+    def make(rank: int) -> None:
+        ends[rank] = ShmTransport(dist.PrefixStore("t", stores[rank]), rank, 10, f"end{1 - rank}")
+
+    t = threading.Thread(target=make, args=(1,))
+    t.start()
+    make(0)
+    t.join(timeout=10)
+    yield ends[0], ends[1]
+    for end in ends.values():
+        end.close()
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def test_sizes_across_ring_and_segments(pair):
+    a, b = pair
+    sizes = [0, 1, 17, 4096, shm.SEGMENT_THRESHOLD - 1, shm.SEGMENT_THRESHOLD, 3 << 20,
+             shm.RING_BYTES + 12345]
+    sent = [_bytes(n, i) for i, n in enumerate(sizes)]
+    # The sender runs ahead in a thread: ring-full waits and wrap-around get exercised.
+    sender = threading.Thread(target=lambda: [a.send([t], 30) for t in sent])
+    sender.start()
+    for t in sent:
+        got = torch.empty_like(t)
+        b.recv_into([got], 30)
+        assert torch.equal(got, t)
+    sender.join(timeout=30)
+
+
+def test_frames_and_many_small_messages_wrap_the_ring(pair):
+    a, b = pair
+    n = (shm.RING_BYTES // 1000) * 3
+
+    def send_all():
+        for i in range(n):
+            a.send_frame(f"frame {i}".encode() * 50, [_bytes(100, i)], 30)
+
+    t = threading.Thread(target=send_all)
+    t.start()
+    for i in range(n):
+        assert b.recv_frame(30) == f"frame {i}".encode() * 50
+        (payload,) = b.recv_new([100], 30)
+        assert torch.equal(payload, _bytes(100, i))
+    t.join(timeout=30)
+
+
+def test_zero_copy_views_return_segments_to_the_pool(pair):
+    a, b = pair
+    n = 2 << 20
+    a.send([_bytes(n, 1)], 10)
+    (view,) = b.recv_new([n], 10)
+    assert torch.equal(view, _bytes(n, 1))
+    seg_id = next(s.id for s in a._segments if a._out.states[s.id])
+    # Held by the receiver: the sender must not reuse it.
+    a.send([_bytes(n, 2)], 10)
+    (second,) = b.recv_new([n], 10)
+    assert torch.equal(view, _bytes(n, 1)) and torch.equal(second, _bytes(n, 2))
+    del view
+    gc.collect()
+    assert a._out.states[seg_id] == 0
+    pool_before = len(a._segments)
+    a.send([_bytes(n, 3)], 10)
+    (third,) = b.recv_new([n], 10)
+    assert torch.equal(third, _bytes(n, 3)) and len(a._segments) == pool_before
+
+
+def test_receiver_holding_many_views_falls_back_to_the_ring(pair):
+    a, b = pair
+    n = 1 << 20
+    held = []
+    for i in range(shm._MAX_IN_FLIGHT + 3):
+        a.send([_bytes(n, i)], 10)
+        held.extend(b.recv_new([n], 10))
+    assert len(a._segments) <= shm._MAX_IN_FLIGHT
+    for i, t in enumerate(held):
+        assert torch.equal(t, _bytes(n, i))
+
+
+def test_recv_timeout_and_peer_close(pair):
+    a, b = pair
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError):
+        b.recv_into([torch.empty(4, dtype=torch.uint8)], 0.3)
+    assert time.monotonic() - start < 3
+    a.close()
+    with pytest.raises(PeerLostError):
+        b.recv_into([torch.empty(4, dtype=torch.uint8)], 5)
