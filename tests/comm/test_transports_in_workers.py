@@ -7,7 +7,6 @@ import time
 
 import pytest
 import ray
-import torch
 
 from rlcomm import CollectiveGroupOptions, NodePlacementStrategy
 from tests.comm.test_p2p import Peer
