@@ -31,6 +31,8 @@ from rlcomm.placement import (
 )
 from rlcomm.worker.address import WorkerAddress
 from rlcomm.worker.group import GroupResult, WorkerGroup
+from rlcomm.worker.multi_worker_future import MultiWorkerFuture
+from rlcomm.worker.sharding import NamedSharding
 from rlcomm.worker.worker import Worker
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
     "CommTimeoutError",
     "FlexiblePlacementStrategy",
     "GroupResult",
+    "MultiWorkerFuture",
+    "NamedSharding",
     "NodePlacementStrategy",
     "OptionsMismatchError",
     "PackedPlacementStrategy",

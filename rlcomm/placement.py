@@ -239,3 +239,51 @@ class NodePlacementStrategy(PlacementStrategy):
 
     def __repr__(self) -> str:
         return f"NodePlacementStrategy({self.node_ranks})"
+
+
+class BundlePlacementStrategy(PlacementStrategy):
+    """One process per local index of each ``(node_rank, [local indices])`` entry.
+
+    NeMo-RL's ``bundle_indices_list``: each entry is a *tied group* of processes on one
+    node, e.g. ``[(0, [0, 1]), (0, [2, 3])]`` puts two groups of two on node 0. Local
+    indices are GPU indices on that node, or CPU worker slots on a cluster without GPUs.
+    Ranks follow the list order.
+
+    Raises:
+        ValueError: an empty list or entry, a negative index, a slot used twice, or (at
+            placement time) a node or local index the cluster lacks.
+    """
+
+    def __init__(self, bundle_indices_list: Sequence[tuple[int, Sequence[int]]]):
+        entries = [(node, list(local)) for node, local in bundle_indices_list]
+        if not entries or any(not local for _, local in entries):
+            raise ValueError(
+                "BundlePlacementStrategy: bundle_indices_list must be a non-empty list of "
+                f"(node_rank, [local indices]) with non-empty index lists, got {bundle_indices_list!r}"
+            )
+        slots = [(node, i) for node, local in entries for i in local]
+        if any(not isinstance(v, int) or v < 0 for slot in slots for v in slot):
+            raise ValueError(f"BundlePlacementStrategy: node ranks and indices must be ints >= 0: {entries}")
+        reused = sorted(s for s, c in Counter(slots).items() if c > 1)
+        if reused:
+            raise ValueError(f"BundlePlacementStrategy: (node, index) slots {reused} are used twice")
+        self.bundle_indices_list = entries
+
+    def get_placements(self, nodes: Sequence[NodeSpec]) -> list[Placement]:
+        table, use_accel = _hardware_table(nodes)
+        hardware = {slot: hw for hw, slot in enumerate(table)}
+        kind = "GPUs" if use_accel else "CPU worker slots"
+        groups = []
+        for node, local in self.bundle_indices_list:
+            for i in local:
+                if (node, i) not in hardware:
+                    have = sum(1 for n, _ in table if n == node)
+                    raise ValueError(
+                        f"BundlePlacementStrategy: node {node} has no local index {i} "
+                        f"({have} {kind} there; the cluster has {len(nodes)} node(s))"
+                    )
+                groups.append([(hardware[(node, i)], node, i)])
+        return _finish(groups, use_accel)
+
+    def __repr__(self) -> str:
+        return f"BundlePlacementStrategy({self.bundle_indices_list})"

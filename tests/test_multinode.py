@@ -27,3 +27,21 @@ def test_node_placement_on_two_nodes(two_node_cluster):
         ]
     finally:
         group.shutdown()
+
+
+@pytest.mark.multinode
+def test_resource_pool_with_uneven_nodes(two_node_cluster):
+    """A [2, 4] pool: entry i on node i; LOCAL_RANK / LOCAL_WORLD_SIZE from the real layout."""
+    from rlcomm.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    pool = RayResourcePool([2, 4], use_gpu=False)
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(AllReduceWorker), cluster=two_node_cluster)
+    try:
+        envs = group.execute_all_sync("env")
+        assert [e["NODE_RANK"] for e in envs] == ["0", "0", "1", "1", "1", "1"]
+        assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1", "2", "3"]
+        assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["2", "2", "4", "4", "4", "4"]
+        assert [e["RANK"] for e in envs] == [str(r) for r in range(6)]
+        assert pool.local_rank_list() == [0, 1, 0, 1, 2, 3]
+    finally:
+        group.shutdown()

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster
 from rlcomm.errors import RlcommTimeoutError, WorkerCallError, WorkerGroupError
 from rlcomm.placement import (
+    BundlePlacementStrategy,
     NodePlacementStrategy,
     PackedPlacementStrategy,
     Placement,
@@ -30,7 +31,10 @@ from rlcomm.worker.actor import (
     make_actor_class,
     public_methods,
 )
+from rlcomm.worker.configure import CONFIGURE_HOOK, resolve_worker_options
 from rlcomm.worker.registry import registry
+from rlcomm.worker.sharded_calls import ShardedCallsMixin
+from rlcomm.worker.sharding import NamedSharding
 from rlcomm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -91,15 +95,15 @@ class GroupResult:
         timeout = default_call_timeout() if timeout is None else timeout
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
         if len(ready) < len(self.refs):
-            pending = [r for r, ref in zip(self.ranks, self.refs) if ref not in ready]
+            pending = [r for r, ref in zip(self.ranks, self.refs, strict=True) if ref not in ready]
             raise RlcommTimeoutError(
                 f"{self.group_name}.{self.method}(): ranks {pending} not done after {timeout}s"
             )
         results = []
-        for rank, ref in zip(self.ranks, self.refs):
+        for rank, ref in zip(self.ranks, self.refs, strict=True):
             try:
                 results.append(ray.get(ref))
-            except (ray.exceptions.RayError,) as exc:
+            except ray.exceptions.RayError as exc:
                 raise self._error(rank, exc) from None
         return results
 
@@ -113,7 +117,7 @@ class GroupResult:
         timeout = default_call_timeout() if timeout is None else timeout
         results = []
         deadline = time.monotonic() + timeout
-        for rank, ref in zip(self.ranks, self.refs):
+        for rank, ref in zip(self.ranks, self.refs, strict=True):
             try:
                 remaining = max(0.0, deadline - time.monotonic())
                 results.append(await asyncio.wait_for(asyncio.wrap_future(ref.future()), remaining))
@@ -165,12 +169,14 @@ class _RankSelection:
         return _GroupMethod(self._group, name, ranks)
 
 
-class WorkerGroup(Generic[W]):
+class WorkerGroup(ShardedCallsMixin, Generic[W]):
     """A group of workers of one class, one Ray actor per rank.
 
     Made by ``Worker.create_group(*args, **kwargs)`` and started by :meth:`launch`. Every
     public method of the worker class becomes a method of the group that runs on every
-    rank and returns a :class:`GroupResult`.
+    rank and returns a :class:`GroupResult`. NeMo-RL's calls (``run_all_workers_*``,
+    ``get_all_worker_results``, ``dp_size``, ...) come from
+    :class:`~rlcomm.worker.sharded_calls.ShardedCallsMixin`.
     """
 
     def __init__(self, worker_cls: type[W], args: tuple = (), kwargs: dict | None = None):
@@ -211,7 +217,7 @@ class WorkerGroup(Generic[W]):
         """Per rank: its actor handle and placement."""
         return [
             {"rank": p.rank, "actor": a, "placement": p}
-            for p, a in zip(self._placements, self._actors)
+            for p, a in zip(self._placements, self._actors, strict=False)
         ]
 
     @property
@@ -230,6 +236,8 @@ class WorkerGroup(Generic[W]):
         catch_system_failure: bool | None = None,
         disable_distributed_log: bool = False,
         env_vars: dict[str, str] | None = None,
+        sharding: NamedSharding | None = None,
+        bundle_indices_list: list[tuple[int, list[int]]] | None = None,
     ) -> WorkerGroup[W]:
         """Start one actor per placement and return this group, launched.
 
@@ -243,22 +251,39 @@ class WorkerGroup(Generic[W]):
             catch_system_failure: log fatal signals and ``sys.exit`` with the worker's
                 address; default from ``RLCOMM_CATCH_FAILURE`` (on).
             disable_distributed_log: skip the worker-side logging set-up.
-            env_vars: extra environment variables for every worker.
+            env_vars: extra environment variables for every worker. A worker class may
+                adjust them (and its Ray resources and ``__init__`` kwargs) with a
+                ``configure_worker(num_gpus, bundle_indices)`` hook; see
+                :mod:`rlcomm.worker.configure` for the precedence (user < worker <
+                rlcomm).
+            sharding: a :class:`NamedSharding` naming the axes of the ranks (e.g.
+                ``NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])``) for
+                ``run_all_workers_sharded_data``, ``dp_size`` and
+                ``get_dp_leader_worker_idx``. Its size must equal the number of workers.
+            bundle_indices_list: NeMo-RL's tied worker groups, ``[(node_rank, [local
+                indices]), ...]``: one worker per local index (GPU, or CPU slot without
+                GPUs), each tuple a tied group that shares one shard of data and whose
+                results count once. Replaces ``placement_strategy``.
 
         Raises:
             WorkerGroupError: the name is taken, a worker method clashes with a group
                 method, or a worker's ``__init__`` failed.
-            ValueError: the placement strategy does not fit the cluster.
+            ValueError: the placement strategy does not fit the cluster, or the sharding
+                does not fit the workers.
         """
         if self._actors or self._shut_down:
             raise WorkerGroupError(f"group {self._name} was launched already")
-        methods = public_methods(self._worker_cls)
-        clashes = sorted(m for m in methods if hasattr(WorkerGroup, m))
+        methods = [m for m in public_methods(self._worker_cls) if m != CONFIGURE_HOOK]
+        clashes = sorted(m for m in methods if hasattr(type(self), m))
         if clashes:
             raise WorkerGroupError(
                 f"{self.worker_cls_name} defines {clashes}, which clash with WorkerGroup's own "
                 "methods; rename them"
             )
+        if bundle_indices_list is not None:
+            if placement_strategy is not None:
+                raise ValueError("launch: give placement_strategy or bundle_indices_list, not both")
+            placement_strategy = BundlePlacementStrategy(bundle_indices_list)
         if placement_strategy is None:
             placement_strategy = (
                 PackedPlacementStrategy(0, cluster.num_gpus - 1)
@@ -266,6 +291,7 @@ class WorkerGroup(Generic[W]):
                 else NodePlacementStrategy([0])
             )
         placements = placement_strategy.get_placements(cluster.node_specs())
+        self._set_layout(len(placements), sharding, bundle_indices_list)
         name = name or f"{self.worker_cls_name}_{uuid.uuid4().hex[:6]}"
         if not ray.get(registry().reserve_group.remote(name)):
             raise WorkerGroupError(
@@ -325,10 +351,28 @@ class WorkerGroup(Generic[W]):
                 "WORLD_SIZE": str(len(placements)),
                 "LOCAL_WORLD_SIZE": str(p.local_world_size),
                 "NODE_RANK": str(p.node_rank),
-                **env_vars,
             }
             if isolate_gpu and p.accelerator_ids:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, p.accelerator_ids))
+            user_options: dict[str, Any] = {"num_cpus": num_cpus}
+            if max_concurrency is not None:
+                user_options["max_concurrency"] = max_concurrency
+            resolved = resolve_worker_options(
+                self._worker_cls,
+                num_gpus=len(p.accelerator_ids),
+                bundle_indices=self._worker_bundle_indices(p.rank),
+                user_env=env_vars,
+                user_actor_options=user_options,
+                user_init_kwargs=self._kwargs,
+                builder_env=env,
+                builder_actor_options={
+                    "name": actor_name(name, p.rank),
+                    "namespace": RLCOMM_NAMESPACE,
+                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                },
+                where=actor_name(name, p.rank),
+            )
+            env = resolved.env
             ctx = WorkerContext(
                 group_name=name,
                 rank=p.rank,
@@ -337,15 +381,11 @@ class WorkerGroup(Generic[W]):
                 catch_system_failure=catch_system_failure,
                 disable_distributed_log=disable_distributed_log,
             )
-            options: dict[str, Any] = {
-                "name": actor_name(name, p.rank),
-                "namespace": RLCOMM_NAMESPACE,
-                "num_cpus": num_cpus,
-                "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            }
-            if max_concurrency is not None:
-                options["max_concurrency"] = max_concurrency
-            actors.append(actor_cls.options(**options).remote(ctx, *self._args, **self._kwargs))
+            actors.append(
+                actor_cls.options(**resolved.actor_options).remote(
+                    ctx, *self._args, **resolved.init_kwargs
+                )
+            )
         self._actors = actors
         self._placements = placements
         self._name = name
@@ -423,7 +463,8 @@ class WorkerGroup(Generic[W]):
             ray.get_actor(actor_name(group_name, r), namespace=RLCOMM_NAMESPACE)
             for r in range(info["world_size"])
         ]
-        group._methods = set(public_methods(group._worker_cls))
+        group._methods = {m for m in public_methods(group._worker_cls) if m != CONFIGURE_HOOK}
+        group._set_layout(info["world_size"], None, None)
         group._bind_methods()
         return group
 
@@ -434,11 +475,13 @@ class WorkerGroup(Generic[W]):
 
         Args:
             cleanup_method: a worker method to call on every rank first (graceful).
-            timeout: seconds the cleanup may take; then the actors are killed anyway.
+            timeout: seconds the cleanup may take (``None``: no limit); then the actors
+                are killed anyway, so this returns within about ``timeout`` seconds.
             force: kill at once, skipping ``cleanup_method``.
 
         Returns:
-            True if the cleanup (when asked) finished on every rank in time.
+            True if the cleanup (when asked) finished without error on every rank in
+            time; the actors are killed either way.
         """
         with self._lock:
             if self._shut_down:
@@ -454,6 +497,13 @@ class WorkerGroup(Generic[W]):
                     "%s.%s() did not finish within %ss; killing the workers",
                     self._name, cleanup_method, timeout,
                 )
+            for rank, ref in enumerate(refs):
+                if ref in ready:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayError as exc:
+                        clean = False
+                        logger.warning("%s[rank %d].%s() failed: %s", self._name, rank, cleanup_method, exc)
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         try:

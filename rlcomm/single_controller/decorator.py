@@ -1,0 +1,406 @@
+"""verl's ``@register``: a worker method becomes a worker-group method that dispatches,
+runs and collects.
+
+Built-in dispatch modes (``Dispatch.X``):
+
+==================  ===============================================  =============================
+mode                dispatch                                         collect
+==================  ===============================================  =============================
+ONE_TO_ALL          every argument to every rank                     list of outputs, by rank
+ALL_TO_ALL          each argument is a list, element ``i`` to rank i list of outputs, by rank
+DP_COMPUTE          batches split along dim 0 over the ranks         outputs concatenated
+DP_COMPUTE_PROTO    the same, for batch objects (``chunk``/``concat``) outputs concatenated
+DP_COMPUTE_METRIC   split like DP_COMPUTE                            list of outputs, by rank
+==================  ===============================================  =============================
+
+Batches are lists, tuples, tensors, arrays, dicts of those, and objects with ``chunk(n)``
+and ``concat(list)`` (see :mod:`rlcomm.worker.dispatch`); other arguments go whole to
+every rank. Batches that do not divide are split unevenly (10 over 3 ranks: 4, 3, 3), or
+padded with ``register(..., pad=True)``; padding is always stripped from the result.
+
+The 3D modes of HybridFlow (3D_PROTO, 3D_ALL_MICRO_DP, 3D_PP_ONLY) are, as in current
+verl, mesh dispatches made by :func:`make_nd_compute_dispatch_fn`: each worker registers
+per mesh name its data-parallel index and whether it returns output
+(``self._register_dispatch_collect_info(mesh, dp_rank, is_collect)``):
+
+- 3D_PROTO: ``dp_rank`` = the worker's dp coordinate, ``is_collect`` = tp == 0 and pp
+  is the last stage;
+- 3D_ALL_MICRO_DP: ``dp_rank`` = the worker's micro-dp group, ``is_collect`` = it is
+  local rank 0 of that group;
+- 3D_PP_ONLY: ``dp_rank`` = 0 everywhere (broadcast), ``is_collect`` = tp == 0 and
+  dp == 0 (one output per pipeline stage).
+
+A dict ``{"dispatch_fn": f, "collect_fn": g}`` gives a custom mode, with verl's
+signatures ``f(worker_group, *args, **kwargs) -> (args, kwargs)`` (each argument a list
+with one entry per rank) and ``g(worker_group, outputs) -> result``;
+:func:`register_dispatch_mode` names one for reuse.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from rlcomm.single_controller.lazy_chunk import resolve_lazy, resolve_lazy_async
+from rlcomm.worker.batch import batch_len
+from rlcomm.worker.dispatch import collect_batches, split_call_args
+
+__all__ = [
+    "Dispatch",
+    "DispatchMode",
+    "Execute",
+    "collect_all_to_all",
+    "collect_dp_compute",
+    "collect_dp_compute_data_proto",
+    "collect_nd_compute",
+    "dispatch_all_to_all",
+    "dispatch_dp_compute",
+    "dispatch_dp_compute_data_proto",
+    "dispatch_nd_compute",
+    "dispatch_one_to_all",
+    "get_predefined_dispatch_fn",
+    "make_nd_compute_dataproto_dispatch_fn",
+    "make_nd_compute_dispatch_fn",
+    "register",
+    "register_dispatch_mode",
+    "update_dispatch_mode",
+]
+
+#: Attribute that marks a registered method (holds its :class:`DispatchSpec`).
+SPEC_ATTR = "_rlcomm_dispatch_spec"
+#: Hidden keyword the worker group adds to ask a registered method for ``(output, length)``.
+RETURN_LEN_KW = "_rlcomm_return_len"
+#: Prefix of hidden keywords carrying object refs a call must wait for before it starts.
+DEPENDENCY_KW_PREFIX = "_rlcomm_dep_"
+#: Attribute holding the user's own signature of a registered method (checked on the driver).
+USER_SIGNATURE_ATTR = "_rlcomm_user_signature"
+
+
+class DispatchMode:
+    """A named dispatch mode (the values of :class:`Dispatch`)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Dispatch.{self.name}"
+
+
+class Dispatch:
+    """The dispatch modes by name; :func:`register_dispatch_mode` adds more."""
+
+    ONE_TO_ALL = DispatchMode("ONE_TO_ALL")
+    ALL_TO_ALL = DispatchMode("ALL_TO_ALL")
+    DP_COMPUTE = DispatchMode("DP_COMPUTE")
+    DP_COMPUTE_PROTO = DispatchMode("DP_COMPUTE_PROTO")
+    DP_COMPUTE_METRIC = DispatchMode("DP_COMPUTE_METRIC")
+
+
+class Execute(Enum):
+    """Where a registered method runs: on every rank, or on rank 0 only."""
+
+    ALL = "ALL"
+    RANK_ZERO = "RANK_ZERO"
+
+
+# -- built-in dispatch and collect functions (verl signatures) -----------------------------
+
+
+def _transpose(world: int, per_rank_args: list[tuple], per_rank_kwargs: list[dict]) -> tuple[tuple, dict]:
+    n_args = len(per_rank_args[0]) if per_rank_args else 0
+    args = tuple([per_rank_args[r][i] for r in range(world)] for i in range(n_args))
+    keys = per_rank_kwargs[0].keys() if per_rank_kwargs else ()
+    kwargs = {k: [per_rank_kwargs[r][k] for r in range(world)] for k in keys}
+    return args, kwargs
+
+
+def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    """Every argument repeated once per rank."""
+    n = worker_group.world_size
+    return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
+
+
+def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    """The arguments unchanged: each is already a list with one entry per rank."""
+    return args, kwargs
+
+
+def collect_all_to_all(worker_group: Any, output: Any) -> Any:
+    """The outputs unchanged: a list with one entry per rank."""
+    return output
+
+
+def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+    """Batches split along dim 0 over the ranks (unevenly if needed), other values copied."""
+    n = worker_group.world_size
+    per_args, per_kwargs, _ = split_call_args(args, kwargs, n, where="dispatch_dp_compute")
+    return _transpose(n, per_args, per_kwargs)
+
+
+def collect_dp_compute(worker_group: Any, output: Any) -> Any:
+    """The per-rank outputs concatenated (a list when they are not batches)."""
+    return collect_batches(output)
+
+
+dispatch_dp_compute_data_proto = dispatch_dp_compute
+collect_dp_compute_data_proto = collect_dp_compute
+
+
+def dispatch_nd_compute(
+    dp_rank_mapping: list[int], dp_size: int, worker_group: Any, *args: Any, **kwargs: Any
+) -> tuple[tuple, dict]:
+    """Batches split into ``dp_size`` chunks; rank ``r`` gets chunk ``dp_rank_mapping[r]``."""
+    per_args, per_kwargs, _ = split_call_args(args, kwargs, dp_size, where="dispatch_nd_compute")
+    world = len(dp_rank_mapping)
+    return _transpose(
+        world,
+        [per_args[dp_rank_mapping[r]] for r in range(world)],
+        [per_kwargs[dp_rank_mapping[r]] for r in range(world)],
+    )
+
+
+def collect_nd_compute(collect_mask: list[bool], worker_group: Any, output: Any) -> Any:
+    """The outputs of the ranks with ``collect_mask[r]``, concatenated."""
+    return collect_batches([o for o, keep in zip(output, collect_mask, strict=True) if keep])
+
+
+class _NdDispatch:
+    """Mesh dispatch for one mesh name (the ``dispatch_fn`` of an nd mode)."""
+
+    def __init__(self, mesh_name: str):
+        self.mesh_name = mesh_name
+
+    def __call__(self, worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        layout = worker_group._mesh_layout(self.mesh_name)
+        return dispatch_nd_compute(list(layout.dp_rank_of), layout.dp_size, worker_group, *args, **kwargs)
+
+
+class _NdCollect:
+    """Mesh collect for one mesh name (the ``collect_fn`` of an nd mode)."""
+
+    def __init__(self, mesh_name: str):
+        self.mesh_name = mesh_name
+
+    def __call__(self, worker_group: Any, output: Any) -> Any:
+        layout = worker_group._mesh_layout(self.mesh_name)
+        return collect_batches([output[r] for r in layout.collect_ranks])
+
+
+def make_nd_compute_dispatch_fn(mesh_name: str) -> dict[str, Callable]:
+    """The dispatch mode of mesh ``mesh_name`` (verl's ``make_nd_compute_dataproto_dispatch_fn``).
+
+    Batches are split into one chunk per data-parallel index; each chunk is put into the
+    object store once and sent to every rank that registered that index; outputs come
+    back from the ranks registered with ``is_collect=True``, ordered by dp index, and are
+    concatenated. Workers register with
+    ``self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect)``.
+    """
+    return {"dispatch_fn": _NdDispatch(mesh_name), "collect_fn": _NdCollect(mesh_name)}
+
+
+make_nd_compute_dataproto_dispatch_fn = make_nd_compute_dispatch_fn
+
+
+@dataclass
+class _ModeEntry:
+    dispatch_fn: Callable
+    collect_fn: Callable
+    kind: str  # one_to_all | all_to_all | dp | dp_metric | custom
+
+
+_MODES: dict[DispatchMode, _ModeEntry] = {
+    Dispatch.ONE_TO_ALL: _ModeEntry(dispatch_one_to_all, collect_all_to_all, "one_to_all"),
+    Dispatch.ALL_TO_ALL: _ModeEntry(dispatch_all_to_all, collect_all_to_all, "all_to_all"),
+    Dispatch.DP_COMPUTE: _ModeEntry(dispatch_dp_compute, collect_dp_compute, "dp"),
+    Dispatch.DP_COMPUTE_PROTO: _ModeEntry(
+        dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, "dp"
+    ),
+    Dispatch.DP_COMPUTE_METRIC: _ModeEntry(dispatch_dp_compute, collect_all_to_all, "dp_metric"),
+}
+
+
+def get_predefined_dispatch_fn(dispatch_mode: DispatchMode) -> dict[str, Callable]:
+    """``{"dispatch_fn": ..., "collect_fn": ...}`` of a named mode.
+
+    Raises:
+        KeyError: an unknown mode.
+    """
+    entry = _MODES[dispatch_mode]
+    return {"dispatch_fn": entry.dispatch_fn, "collect_fn": entry.collect_fn}
+
+
+def register_dispatch_mode(dispatch_mode_name: str, dispatch_fn: Callable, collect_fn: Callable) -> DispatchMode:
+    """Add a named mode ``Dispatch.<dispatch_mode_name>`` with these functions.
+
+    Raises:
+        ValueError: the name is taken or not an identifier.
+    """
+    if not dispatch_mode_name.isidentifier() or hasattr(Dispatch, dispatch_mode_name):
+        raise ValueError(f"register_dispatch_mode: {dispatch_mode_name!r} is taken or not an identifier")
+    mode = DispatchMode(dispatch_mode_name)
+    setattr(Dispatch, dispatch_mode_name, mode)
+    _MODES[mode] = _ModeEntry(dispatch_fn, collect_fn, "custom")
+    return mode
+
+
+def update_dispatch_mode(dispatch_mode: DispatchMode, dispatch_fn: Callable, collect_fn: Callable) -> None:
+    """Replace the functions of an existing named mode.
+
+    Raises:
+        KeyError: an unknown mode.
+    """
+    if dispatch_mode not in _MODES:
+        raise KeyError(f"update_dispatch_mode: unknown mode {dispatch_mode!r}")
+    _MODES[dispatch_mode] = _ModeEntry(dispatch_fn, collect_fn, "custom")
+
+
+# -- the decorator -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    """What ``@register`` recorded on a method."""
+
+    dispatch_mode: DispatchMode | dict
+    execute_mode: Execute
+    blocking: bool
+    pad: bool
+
+    @property
+    def mode_name(self) -> str:
+        if isinstance(self.dispatch_mode, DispatchMode):
+            return self.dispatch_mode.name
+        fn = self.dispatch_mode["dispatch_fn"]
+        if isinstance(fn, _NdDispatch):
+            return f"nd mesh {fn.mesh_name!r}"
+        return f"custom {getattr(fn, '__name__', type(fn).__name__)}"
+
+    def resolve(self) -> tuple[str, Callable, Callable, str | None]:
+        """``(kind, dispatch_fn, collect_fn, mesh_name)``, looked up now."""
+        if isinstance(self.dispatch_mode, DispatchMode):
+            entry = _MODES[self.dispatch_mode]
+            return entry.kind, entry.dispatch_fn, entry.collect_fn, None
+        fn, collect = self.dispatch_mode["dispatch_fn"], self.dispatch_mode["collect_fn"]
+        if isinstance(fn, _NdDispatch):
+            return "nd", fn, collect, fn.mesh_name
+        return "custom", fn, collect, None
+
+
+def register(
+    dispatch_mode: DispatchMode | dict = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    pad: bool = False,
+) -> Callable[[Callable], Callable]:
+    """Make a worker method a dispatching method of verl-style worker groups.
+
+    On a :class:`~rlcomm.single_controller.RayWorkerGroup`, ``group.method(*args,
+    **kwargs)`` dispatches the arguments by ``dispatch_mode``, runs on the ranks of
+    ``execute_mode``, and collects the outputs. On the worker itself the method runs as
+    written.
+
+    Args:
+        dispatch_mode: a :class:`Dispatch` mode, or ``{"dispatch_fn": f, "collect_fn": g}``.
+        execute_mode: ``Execute.ALL``, or ``Execute.RANK_ZERO`` to run on rank 0 only
+            (with the arguments as given for ONE_TO_ALL / ALL_TO_ALL, the whole batch
+            for DP modes, element 0 of each dispatched list for custom modes; the result
+            is rank 0's output, passed through ``collect_fn`` for custom modes).
+        blocking: return the collected result; ``False`` returns a
+            :class:`~rlcomm.single_controller.DispatchFuture` (``.get()`` collects; it can
+            be passed to another group's DP call without the driver fetching the data).
+        pad: in DP and mesh modes, pad batches that do not divide by the number of
+            chunks (repeating their first items) instead of splitting them unevenly; the
+            padding is stripped from the result.
+
+    Raises:
+        TypeError: a bad ``dispatch_mode`` or ``execute_mode``.
+    """
+    if isinstance(dispatch_mode, dict):
+        if set(dispatch_mode) != {"dispatch_fn", "collect_fn"} or not all(
+            callable(f) for f in dispatch_mode.values()
+        ):
+            raise TypeError(
+                "register: a custom dispatch_mode must be {'dispatch_fn': f, 'collect_fn': g} "
+                f"with callables, got {dispatch_mode!r}"
+            )
+    elif not isinstance(dispatch_mode, DispatchMode) or dispatch_mode not in _MODES:
+        raise TypeError(f"register: unknown dispatch_mode {dispatch_mode!r}; use a Dispatch.X mode or a dict")
+    if not isinstance(execute_mode, Execute):
+        raise TypeError(f"register: execute_mode must be Execute.ALL or Execute.RANK_ZERO, got {execute_mode!r}")
+    spec = DispatchSpec(dispatch_mode, execute_mode, blocking, pad)
+    kind = spec.resolve()[0]
+    if kind == "nd" and execute_mode is Execute.RANK_ZERO:
+        raise TypeError("register: a mesh dispatch mode runs on every rank; use Execute.ALL")
+    if pad and kind not in ("dp", "dp_metric", "nd"):
+        raise TypeError(f"register: pad=True applies to DP and mesh modes, not {spec.mode_name}")
+
+    def decorate(fn: Callable) -> Callable:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(self, *args, **kwargs):
+                want_len = _pop_hidden(kwargs)
+                args, kwargs = await resolve_lazy_async(args, kwargs)
+                out = await fn(self, *args, **kwargs)
+                return (out, _safe_len(out)) if want_len else out
+
+            wrapper = async_wrapper
+        else:
+
+            @functools.wraps(fn)
+            def sync_wrapper(self, *args, **kwargs):
+                want_len = _pop_hidden(kwargs)
+                args, kwargs = resolve_lazy(args, kwargs)
+                out = fn(self, *args, **kwargs)
+                return (out, _safe_len(out)) if want_len else out
+
+            wrapper = sync_wrapper
+        setattr(wrapper, SPEC_ATTR, spec)
+        setattr(wrapper, USER_SIGNATURE_ATTR, inspect.signature(fn))
+        # Ray checks call arguments against the signature of the innermost __wrapped__
+        # function; end the chain here so it sees the hidden keywords too.
+        wrapper.__signature__ = _with_hidden_kwargs(fn)  # type: ignore[attr-defined]
+        del wrapper.__wrapped__  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+def _with_hidden_kwargs(fn: Callable) -> inspect.Signature:
+    """``fn``'s signature plus the hidden keywords the group passes (Ray checks call
+    arguments against the method's signature): the output-length flag, and the
+    dependency refs (taken by a ``**kwargs`` added when ``fn`` has none)."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    hidden = inspect.Parameter(RETURN_LEN_KW, inspect.Parameter.KEYWORD_ONLY, default=False)
+    if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD:
+        params.insert(len(params) - 1, hidden)
+    else:
+        params.append(hidden)
+        params.append(inspect.Parameter("_rlcomm_deps", inspect.Parameter.VAR_KEYWORD))
+    return sig.replace(parameters=params)
+
+
+def _pop_hidden(kwargs: dict[str, Any]) -> bool:
+    """Remove the hidden keywords from a call's kwargs; whether lengths were asked for."""
+    for key in [k for k in kwargs if k.startswith(DEPENDENCY_KW_PREFIX)]:
+        del kwargs[key]  # resolved by Ray before the call started; nothing more to do
+    return bool(kwargs.pop(RETURN_LEN_KW, False))
+
+
+def dispatch_spec_of(fn: Any) -> DispatchSpec | None:
+    """The :class:`DispatchSpec` of a registered method, else ``None``."""
+    return getattr(fn, SPEC_ATTR, None)
+
+
+def _safe_len(out: Any) -> int | None:
+    try:
+        return batch_len(out)
+    except ValueError:
+        return None
