@@ -1,5 +1,6 @@
 """The simplest tour of rlcomm: launch two worker groups, run methods on all or some
-ranks, let the workers use plain torch.distributed, and reconnect to a group by name.
+ranks, let the workers use plain torch.distributed, send objects and tensors between
+workers of different groups, and reconnect to a group by name.
 
 Run it with ``scripts/demo`` (sets up .venv first) or ``python examples/hello_workers.py``.
 """
@@ -32,6 +33,13 @@ class Greeter(Worker):
     def hello(self) -> str:
         return f"{self.greeting} from {self.worker_address}"
 
+    def reply_to(self, group: str) -> str:
+        """Receive a message and a tensor from a visitor, answer with the tensor doubled."""
+        note = self.recv(group, 0)
+        tensor = self.recv(group, 0)
+        self.send(tensor * 2, group, 0)
+        return note
+
 
 class Visitor(Worker):
     """Finds the Greeter group by name from inside a worker and calls it."""
@@ -39,6 +47,12 @@ class Visitor(Worker):
     def visit(self, group_name: str) -> list[str]:
         greeters = WorkerGroup.from_group_name(Greeter, group_name)
         return greeters.execute_on(0).hello().wait()
+
+    def talk(self, group_name: str, rank: int) -> list[float]:
+        """Point-to-point: an object, then a tensor, then the peer's reply."""
+        self.send(f"hi from {self.worker_address}", group_name, rank)
+        self.send(torch.arange(4.0), group_name, rank)
+        return self.recv(group_name, rank).tolist()
 
 
 def main() -> None:
@@ -63,6 +77,11 @@ def main() -> None:
           f"{greeters.execute_on(0, args.workers - 1).hello().wait()}")
     print(f"hello() on all ranks -> {greeters.hello().wait()}")
     print(f"a visitor worker reached the greeters by name -> {visitors.visit('greeters').wait()}")
+    last = args.workers - 1
+    answer = greeters.execute_on(last).reply_to("visitors")
+    doubled = visitors.talk("greeters", last).wait()[0]
+    print(f"visitors:0 sent a note and arange(4) to greeters:{last}: it got "
+          f"{answer.wait()[0]!r} and replied {doubled}")
 
     visitors.shutdown()
     greeters.shutdown()
