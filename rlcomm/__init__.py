@@ -30,8 +30,9 @@ from rlcomm.placement import (
     PlacementStrategy,
 )
 from rlcomm.worker.address import WorkerAddress
-from rlcomm.worker.group import GroupResult, WorkerGroup
+from rlcomm.worker.group import WorkerGroup
 from rlcomm.worker.multi_worker_future import MultiWorkerFuture
+from rlcomm.worker.result import GroupResult
 from rlcomm.worker.sharding import NamedSharding
 from rlcomm.worker.worker import Worker
 

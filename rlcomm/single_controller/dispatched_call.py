@@ -21,7 +21,7 @@ from rlcomm.single_controller.decorator import (
 from rlcomm.single_controller.lazy_chunk import LazyChunk
 from rlcomm.worker.batch import batch_len, is_batch, pad_amount
 from rlcomm.worker.dispatch import NdLayout, check_signature, collect_batches, split_call_args
-from rlcomm.worker.group import GroupResult, default_call_timeout
+from rlcomm.worker.result import GroupResult, default_call_timeout
 from rlcomm.worker.sharded_calls import share_value
 
 __all__ = ["DispatchFuture", "DispatchedMethod"]

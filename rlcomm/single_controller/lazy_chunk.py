@@ -17,7 +17,7 @@ import ray
 
 from rlcomm.worker.batch import concat_batches, take_range
 from rlcomm.worker.dispatch import chunk_ranges, plan_part_fetch
-from rlcomm.worker.group import default_call_timeout
+from rlcomm.worker.result import default_call_timeout
 
 __all__ = ["LazyChunk", "resolve_lazy", "resolve_lazy_async"]
 

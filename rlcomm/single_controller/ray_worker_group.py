@@ -20,7 +20,8 @@ from rlcomm.single_controller.decorator import dispatch_spec_of
 from rlcomm.single_controller.dispatched_call import DispatchedMethod
 from rlcomm.single_controller.resource_pool import RayResourcePool
 from rlcomm.worker.dispatch import NdLayout, check_signature, nd_layout
-from rlcomm.worker.group import GroupResult, WorkerGroup, actor_name
+from rlcomm.worker.group import WorkerGroup, actor_name
+from rlcomm.worker.result import GroupResult
 from rlcomm.worker.worker import Worker
 
 __all__ = ["RayClassWithInitArgs", "RayWorkerGroup"]

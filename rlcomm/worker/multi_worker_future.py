@@ -51,7 +51,7 @@ class MultiWorkerFuture:
             WorkerCallError: a worker raised or died.
             RlcommTimeoutError: not done in time.
         """
-        from rlcomm.worker.group import GroupResult, default_call_timeout
+        from rlcomm.worker.result import GroupResult, default_call_timeout
 
         called = self.called_workers or list(range(len(self.futures)))
         wanted = None if self.return_from_workers is None else set(self.return_from_workers)

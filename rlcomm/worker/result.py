@@ -1,0 +1,101 @@
+"""``GroupResult``: the handle of a method call on some ranks of a worker group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from rlcomm.errors import RlcommTimeoutError, WorkerCallError
+
+#: Default seconds ``GroupResult.wait()`` waits; worker methods may train for hours.
+CALL_TIMEOUT_ENV = "RLCOMM_CALL_TIMEOUT"
+
+
+def default_call_timeout() -> float:
+    return float(os.environ.get(CALL_TIMEOUT_ENV, 24 * 3600))
+
+
+class GroupResult:
+    """The handle of a call on some ranks of a group.
+
+    ``wait()`` returns the results ordered like the ranks; ``done()`` polls;
+    ``await handle`` or ``await handle.async_wait()`` waits from asyncio without blocking
+    the event loop. A rank that raised makes ``wait`` raise :class:`WorkerCallError`
+    naming the group, rank and method, with the remote traceback.
+    """
+
+    def __init__(self, group_name: str, method: str, ranks: Sequence[int], refs: Sequence[Any]):
+        self.group_name = group_name
+        self.method = method
+        self.ranks = list(ranks)
+        self.refs = list(refs)
+
+    def _error(self, rank: int, exc: BaseException) -> WorkerCallError:
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            cause = exc.cause if isinstance(exc.cause, WorkerCallError) else None
+            if cause is not None:
+                return cause
+            text = str(exc)
+        elif isinstance(exc, ray.exceptions.RayActorError):
+            text = f"the worker's actor died: {exc}"
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+        return WorkerCallError(self.group_name, rank, self.method, text)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """The results, ordered like the ranks.
+
+        Args:
+            timeout: seconds; default ``RLCOMM_CALL_TIMEOUT`` (24 h).
+
+        Raises:
+            WorkerCallError: a rank raised or its actor died.
+            RlcommTimeoutError: the results were not all ready in time.
+        """
+        timeout = default_call_timeout() if timeout is None else timeout
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
+        if len(ready) < len(self.refs):
+            pending = [r for r, ref in zip(self.ranks, self.refs, strict=True) if ref not in ready]
+            raise RlcommTimeoutError(
+                f"{self.group_name}.{self.method}(): ranks {pending} not done after {timeout}s"
+            )
+        results = []
+        for rank, ref in zip(self.ranks, self.refs, strict=True):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                raise self._error(rank, exc) from None
+        return results
+
+    def done(self) -> bool:
+        """True once every rank has finished (successfully or not)."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    async def async_wait(self, timeout: float | None = None) -> list[Any]:
+        """Like :meth:`wait`, awaitable from asyncio (default loop or uvloop)."""
+        timeout = default_call_timeout() if timeout is None else timeout
+        results = []
+        deadline = time.monotonic() + timeout
+        for rank, ref in zip(self.ranks, self.refs, strict=True):
+            try:
+                remaining = max(0.0, deadline - time.monotonic())
+                results.append(await asyncio.wait_for(asyncio.wrap_future(ref.future()), remaining))
+            except asyncio.TimeoutError:
+                raise RlcommTimeoutError(
+                    f"{self.group_name}.{self.method}(): rank {rank} not done after {timeout}s"
+                ) from None
+            except ray.exceptions.RayError as exc:
+                raise self._error(rank, exc) from None
+        return results
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+    def __repr__(self) -> str:
+        return f"GroupResult({self.group_name}.{self.method}, ranks={self.ranks})"
