@@ -1,5 +1,6 @@
 """rlcomm: communication between distributed RL workers, on Ray and torch.distributed."""
 
+from rlcomm.channel import Channel
 from rlcomm.cluster import Cluster
 from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout
 from rlcomm.comm.work import AsyncWork
@@ -40,6 +41,7 @@ __all__ = [
     "AsyncWork",
     "CollectiveGroupOptions",
     "set_default_timeout",
+    "Channel",
     "ChannelClosedError",
     "ChannelEmpty",
     "ChannelError",

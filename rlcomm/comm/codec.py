@@ -18,7 +18,6 @@ A message may carry zero tensors (an empty list or dict, a dataclass without ten
 
 from __future__ import annotations
 
-import copyreg
 import dataclasses
 import importlib
 import io
@@ -28,6 +27,7 @@ from collections import ChainMap
 from enum import IntEnum
 from typing import Annotated, Any, Literal
 
+import cloudpickle
 import msgspec
 import torch
 
@@ -103,6 +103,8 @@ class DataclassNode(msgspec.Struct, array_like=True, tag=3):
     cls: str
     names: list[str]
     values: list[Node]
+    #: the class pickled by value, when ``cls`` does not import on the receiver
+    by_value: bytes | None = None
 
 
 Node = int | bytes | ListNode | TupleNode | DictNode | DataclassNode
@@ -250,16 +252,21 @@ def _rebuild_tensor(data: bytes, dtype: str, shape: tuple[int, ...], device: str
 
 
 # Looked up by exact type, so tensor subclasses (nn.Parameter) keep their own pickling.
-_OBJECT_DISPATCH = ChainMap({torch.Tensor: _reduce_tensor}, copyreg.dispatch_table)
+_OBJECT_DISPATCH = ChainMap({torch.Tensor: _reduce_tensor}, cloudpickle.Pickler.dispatch_table)
+
+
+class _ObjectPickler(cloudpickle.Pickler):
+    """cloudpickle (classes and functions of ``__main__`` travel by value) with tensors
+    pickled as their bytes. A subclass attribute: cloudpickle's own shadows an instance one."""
+
+    dispatch_table = _OBJECT_DISPATCH
 
 
 def _pickle(obj: Any, what: str) -> bytes:
     """Pickle ``obj``; tensors in it travel detached and contiguous, on the same device."""
     buf = io.BytesIO()
     try:
-        pickler = pickle.Pickler(buf, protocol=PICKLE_PROTOCOL)
-        pickler.dispatch_table = _OBJECT_DISPATCH
-        pickler.dump(obj)
+        _ObjectPickler(buf, protocol=PICKLE_PROTOCOL).dump(obj)
         return buf.getvalue()
     except Exception as exc:
         raise CodecError(
@@ -296,8 +303,8 @@ def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.T
 
     Caveats: extracted tensors travel independently (views of one storage, or one tensor
     twice, arrive as separate copies) and arrive as plain detached tensors (an
-    ``nn.Parameter`` arrives as a ``torch.Tensor``). A dataclass must be importable as
-    ``module:qualname`` by the receiver: not defined in a function or only in ``__main__``.
+    ``nn.Parameter`` arrives as a ``torch.Tensor``). A dataclass that the receiver cannot
+    import as ``module:qualname`` (defined in a script or a function) travels by value.
 
     Raises:
         CodecError: CPU and CUDA tensors mixed, something unpicklable, a dataclass defined
@@ -380,8 +387,8 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
 
 # --- dataclass walking and rebuilding ----------------------------------------------------
 
-_CLASS_INFO: dict[type, tuple[str, tuple[str, ...]]] = {}
-_CLASSES: dict[str, type] = {}
+_CLASS_INFO: dict[type, tuple[str, bytes | None, tuple[str, ...]]] = {}
+_CLASSES: dict[str | bytes, type] = {}
 
 
 class _Attr(str):
@@ -393,35 +400,54 @@ def _render(path: tuple) -> str:
     return str(path[0]) + "".join(f".{p}" if isinstance(p, _Attr) else f"[{p!r}]" for p in path[1:])
 
 
-def _class_info(cls: type) -> tuple[str, tuple[str, ...]]:
-    """``"module:qualname"`` and field names of a dataclass, checked importable (cached)."""
+def _class_info(cls: type) -> tuple[str, bytes | None, tuple[str, ...]]:
+    """How the receiver finds a dataclass, and its field names (cached per class).
+
+    ``"module:qualname"``, plus, when that does not import back to the class (a class
+    defined in a script's ``__main__`` or in a function), the class pickled by value with
+    cloudpickle, which gives one class object per process however often it arrives.
+    """
     info = _CLASS_INFO.get(cls)
     if info is None:
         path = f"{cls.__module__}:{cls.__qualname__}"
-        if "<locals>" in path or _resolve_class(path, cached=False) is not cls:
-            raise CodecError(
-                f"cannot send dataclass {path}: the receiver rebuilds it by importing "
-                "module:qualname, so define it at module level of an importable module"
-            )
-        info = _CLASS_INFO[cls] = (path, tuple(f.name for f in dataclasses.fields(cls)))
+        by_value = None
+        if "<locals>" in path or _importable(path) is not cls:
+            try:
+                by_value = cloudpickle.dumps(cls, protocol=PICKLE_PROTOCOL)
+            except Exception as exc:
+                raise CodecError(f"cannot send dataclass {path}: cannot pickle it ({exc})") from exc
+        info = _CLASS_INFO[cls] = (path, by_value, tuple(f.name for f in dataclasses.fields(cls)))
     return info
 
 
-def _resolve_class(path: str, cached: bool = True) -> type:
+def _importable(path: str) -> type | None:
+    try:
+        return _resolve_class(path, cached=False)
+    except CodecError:
+        return None
+
+
+def _resolve_class(path: str | bytes, cached: bool = True) -> type:
     cls = _CLASSES.get(path) if cached else None
     if cls is None:
-        module, _, qualname = path.partition(":")
-        try:
-            found: Any = importlib.import_module(module)
-            for part in qualname.split("."):
-                found = getattr(found, part)
-        except Exception as exc:
-            raise CodecError(
-                f"cannot import dataclass {path} to rebuild a message ({exc}); the sending "
-                "and the receiving process must both be able to import it"
-            ) from exc
+        if isinstance(path, bytes):
+            try:
+                found: Any = cloudpickle.loads(path)
+            except Exception as exc:
+                raise CodecError(f"cannot unpickle a dataclass sent by value: {exc}") from exc
+        else:
+            module, _, qualname = path.partition(":")
+            try:
+                found = importlib.import_module(module)
+                for part in qualname.split("."):
+                    found = getattr(found, part)
+            except Exception as exc:
+                raise CodecError(
+                    f"cannot import dataclass {path} to rebuild a message ({exc}); the sending "
+                    "and the receiving process must both be able to import it"
+                ) from exc
         if not (isinstance(found, type) and dataclasses.is_dataclass(found)):
-            raise CodecError(f"{path} named in a message header is not a dataclass")
+            raise CodecError(f"{path!r:.80} named in a message header is not a dataclass")
         cls = _CLASSES[path] = found
     return cls
 
@@ -432,7 +458,7 @@ def _tensor_at(tensors: list[torch.Tensor], index: Any) -> torch.Tensor:
     return tensors[index]
 
 
-class _LeafPickler(pickle.Pickler):
+class _LeafPickler(cloudpickle.Pickler):
     """Pickles a value, extracting every tensor inside it as a persistent id."""
 
     def __init__(self, file: io.BytesIO, walker: _Walker, path: tuple):
@@ -487,7 +513,7 @@ class _Walker:
         elif tp is dict and all(type(k) is str for k in x):
             keys, values = list(x), list(x.values())
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            cls_path, fields = _class_info(tp)
+            cls_path, by_value, fields = _class_info(tp)
             extra = [n for n in getattr(x, "__dict__", ()) if n not in fields]
             keys = [_Attr(n) for n in (*fields, *extra) if hasattr(x, n)]
             values = [getattr(x, n) for n in keys]
@@ -504,7 +530,7 @@ class _Walker:
             return ListNode(nodes) if tp is list else TupleNode(nodes)
         if tp is dict:
             return DictNode(keys, nodes)
-        return DataclassNode(cls_path, [str(k) for k in keys], nodes)
+        return DataclassNode(cls_path, [str(k) for k in keys], nodes, by_value)
 
 
 def _build(node: Any, tensors: list[torch.Tensor]) -> Any:
@@ -530,7 +556,7 @@ def _build(node: Any, tensors: list[torch.Tensor]) -> Any:
     values = [_build(v, tensors) for v in node.values]
     if tp is DictNode:
         return dict(zip(names, values, strict=True))
-    cls = _resolve_class(node.cls)
+    cls = _resolve_class(node.by_value or node.cls)
     obj = cls.__new__(cls)
     for name, value in zip(names, values, strict=True):
         object.__setattr__(obj, name, value)

@@ -11,6 +11,7 @@ from rlcomm.worker.address import RankLike, WorkerAddress
 from rlcomm.worker.dispatch import DispatchInfoMixin
 
 if TYPE_CHECKING:
+    from rlcomm.channel import Channel
     from rlcomm.comm.manager import CommManager
     from rlcomm.comm.options import CollectiveGroupOptions
     from rlcomm.comm.work import AsyncWork
@@ -231,3 +232,46 @@ class Worker(DispatchInfoMixin):
         if groups is None:
             raise ValueError("broadcast: groups is required, e.g. [('trainer', 0), ('rollout', [0, 1])]")
         return self._comm.broadcast(object, groups, src, async_op, options)
+
+    # -- channels ---------------------------------------------------------------------------
+
+    def create_channel(
+        self,
+        channel_name: str,
+        maxsize: int = 0,
+        distributed: bool = False,
+        node_rank: int = 0,
+        local: bool = False,
+        item_type: Any = None,
+    ) -> Channel:
+        """Create a new channel and return a handle on it (see :class:`~rlcomm.Channel`).
+
+        Args:
+            channel_name: a name unique among the live channels.
+            maxsize: the most items queued per key; 0 (default) for unbounded.
+            distributed: one channel worker per node; each key lives on the node of the
+                first process that uses it, so producers and consumers of a key on one
+                node stay local to that node.
+            node_rank: the node of the channel worker (not with ``distributed``).
+            local: an in-process channel (no worker) for pipelines inside this worker;
+                it cannot be connected from other workers.
+            item_type: the type every item must have (a class, or a typing form such as
+                ``list[Rollout]``); a non-conforming put raises ``ChannelTypeError``.
+
+        Raises:
+            ChannelError: a channel of that name exists already.
+        """
+        from rlcomm.channel import Channel
+
+        return Channel.create(channel_name, maxsize, distributed, node_rank, local, item_type)
+
+    def connect_channel(self, channel_name: str, timeout: float = 60.0) -> Channel:
+        """A handle on the existing channel ``channel_name``, waiting up to ``timeout``
+        seconds for it to be created.
+
+        Raises:
+            ChannelError: no such channel in time.
+        """
+        from rlcomm.channel import Channel
+
+        return Channel.connect(channel_name, timeout)

@@ -209,6 +209,9 @@ class Peer(Worker):
     def recv_one(self, group, rank, **kw):
         return self.recv(group, rank, **kw)
 
+    def send_unpicklable(self, group, rank):
+        self.send({"lock": threading.Lock()}, group, rank)
+
     def send_tensor_one(self, tensor, group, rank):
         self.send_tensor(tensor, group, rank)
         return True
@@ -358,7 +361,7 @@ def test_bad_input_fails_fast(peers):
         (("send_one", "x", "no_such_group", 0), "PeerNotFoundError", "no_such_group"),
         (("send_one", "x", "p2p_b", 9), "PeerNotFoundError", "rank 9"),
         (("recv_one", "no_such_group", 0), "PeerNotFoundError", "no_such_group"),
-        (("send_one", lambda: 1, "p2p_b", 0), "CodecError", "function"),
+        (("send_unpicklable", "p2p_b", 0), "CodecError", "lock"),
         (("send_one", "x", "p2p_a", 0), "ValueError", "itself"),
         (("send_tensor_one", [1, 2], "p2p_b", 0), "TypeError", "torch.Tensor"),
         (("broadcast_from", 1, [("p2p_b", [0, 1])], None), "ValueError", "not among"),

@@ -1,0 +1,73 @@
+"""The examples, run as a user would (their own Ray), in their quick modes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(*args: str, timeout: float = 240) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS="")
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_hello_workers():
+    out = run_example("examples/hello_workers.py")
+    assert "all_reduce of ones on every rank -> [4.0, 4.0, 4.0, 4.0]" in out
+    assert "execute_on(0, 3).hello() -> ['hello from greeters:0', 'hello from greeters:3']" in out
+    assert "replied [0.0, 2.0, 4.0, 6.0]" in out
+
+
+@pytest.mark.timeout(300)
+def test_quickstart():
+    out = run_example("examples/quickstart.py")
+    assert "[8] [torch.Size([8]), torch.Size([8])]" in out
+
+
+@pytest.mark.timeout(300)
+def test_rollout_to_trainer_quick(tmp_path):
+    plot = tmp_path / "curve.png"
+    out = run_example("examples/rollout_to_trainer.py", "--quick", "--plot", str(plot))
+    updates = int(re.search(r"updates\s+(\d+)", out).group(1))
+    assert updates == 5, out
+    assert int(re.search(r"episodes trained on\s+(\d+)", out).group(1)) >= 5 * 16
+    assert float(re.search(r"MB through the channel\s+([\d.]+)", out).group(1)) > 0
+    assert int(re.search(r"policy version reached\s+(\d+)", out).group(1)) == updates
+    assert plot.exists() and plot.stat().st_size > 1000
+
+
+@pytest.mark.timeout(300)
+def test_asyncio_pipeline():
+    out = run_example("examples/asyncio_pipeline.py", "--items", "200")
+    assert "all items arrived exactly once" in out
+    assert "event loop: uvloop" in out
+    m = re.search(r"deepest queue seen: prompts (\d+), scored (\d+) \(bound (\d+)\)", out)
+    assert m and int(m.group(1)) <= int(m.group(3)) and int(m.group(2)) <= int(m.group(3))
+
+
+@pytest.mark.timeout(300)
+def test_p2p_bandwidth_example():
+    out = run_example("examples/p2p_bandwidth.py", "--sizes", "4,65536", "--repeats", "1")
+    assert "Bandwidth, GB/s" in out and "raw gloo" in out and "send/recv" in out
+    assert "First send/recv of a fresh pair" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rollout_to_trainer_solves_cartpole(tmp_path):
+    out = run_example("examples/rollout_to_trainer.py", "--plot", str(tmp_path / "c.png"),
+                      timeout=540)
+    assert "SOLVED" in out, out[-2000:]
