@@ -310,7 +310,7 @@ class Bench:
                     cells.append(f"{format(r['median'], fmt):>14s}" if r else f"{'-':>14s}")
                 lines.append(f"{p:34s}" + "".join(cells))
 
-        emit("Bandwidth, GB/s (median)", "GB/s", ".3f", sizes)
+        emit("Bandwidth, GB/s (median)", "GB/s", ".3g", sizes)
         emit("One-way latency, us (median of half round trips)", "latency_us", ".1f",
              [s for s in sizes if s <= LATENCY_MAX])
         lines.append("\nRatios, rlcomm send/recv over each baseline (bandwidth; >1 is faster)")
@@ -377,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1, help="2: the two workers on two nodes")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--plot", help="write a bandwidth-vs-size PNG here")
+    parser.add_argument("--from-json", help="print the tables (and --plot) of an earlier run")
     args = parser.parse_args(argv)
     if args.max_size:
         args.sizes = [s for s in args.sizes if s <= args.max_size]
@@ -386,6 +387,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        bench = Bench.__new__(Bench)
+        bench.args = argparse.Namespace(**{**vars(args), "sizes": saved["args"]["sizes"]})
+        bench.records = saved["records"]
+        print(bench.table())
+        if args.plot:
+            bench.plot(args.plot)
+        return
     bench = Bench(args)
     bench.run()
     print(bench.table())
