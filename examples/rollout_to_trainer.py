@@ -206,7 +206,7 @@ class Trainer(Worker):
                     "channel_bytes": int(stats[3]),
                     "broadcast_bytes": weight_bytes * num_rollout,
                     "staleness_mean": float(stats[4] / stats[5]), "staleness_max": float(maxed),
-                    "loss": float(loss),
+                    "loss": loss.item(),
                 })
             flag = torch.tensor([1.0 if solved else 0.0])
             dist.broadcast(flag, 0)  # every rank stops at the same iteration

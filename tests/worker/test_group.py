@@ -169,3 +169,34 @@ def test_many_workers_on_two_cores(cluster):
         assert group.hello().wait() == list(range(8))
     finally:
         group.shutdown()
+
+
+class Quitter(Worker):
+    def quit(self, code):
+        import sys
+
+        sys.exit(code)
+
+    def pid(self):
+        return os.getpid()
+
+
+def test_sys_exit_is_logged_with_the_worker_address(caplog):
+    from rlcomm.worker.actor import make_actor_class
+
+    cls = make_actor_class(Quitter, catch_system_failure=True)
+    worker = cls.__new__(cls)
+    worker._bind_identity(__import__("rlcomm").WorkerAddress("quitters", (2,)), 4)
+    with caplog.at_level("ERROR", logger="rlcomm.worker.actor"), pytest.raises(SystemExit):
+        worker.quit(3)
+    assert "worker quitters:2 called sys.exit(3) in quit()" in caplog.text
+
+
+def test_a_worker_that_exits_fails_the_call_with_its_address(cluster):
+    group = Quitter.create_group().launch(cluster, NodePlacementStrategy([0, 0]), name="quitters")
+    try:
+        with pytest.raises(WorkerCallError, match=r"quitters\[rank 1\]\.quit\(\)"):
+            group.execute_on(1).quit(3).wait(timeout=60)
+        assert len(group.execute_on(0).pid().wait(timeout=30)) == 1
+    finally:
+        group.shutdown()
