@@ -46,7 +46,7 @@ SEGMENT_THRESHOLD = int(os.environ.get("RLCOMM_SHM_SEGMENT_THRESHOLD", 256 << 10
 #: Most bytes of segments one direction keeps; past it, payloads stream through the ring.
 POOL_BYTES = int(os.environ.get("RLCOMM_SHM_POOL_BYTES", 4 << 30))
 _MAX_SEGMENTS = 1024
-_MAX_IN_FLIGHT = 4
+_MAX_IN_FLIGHT = int(os.environ.get("RLCOMM_SHM_MAX_IN_FLIGHT", 16))
 _CTRL = 4096  # control block before the ring data: counters and segment states
 _HEAD, _TAIL, _WAITING, _STATES = 0, 8, 16, 1024  # int64 indices / byte offset
 _RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
