@@ -66,8 +66,11 @@ def _hardware_table(nodes: Sequence[NodeSpec]) -> tuple[list[tuple[int, int]], b
     return table, use_accel
 
 
-def _finish(groups: list[list[tuple[int, int, int]]], use_accel: bool) -> list[Placement]:
-    """Build placements from per-process lists of (hardware_rank, node_rank, local_index)."""
+def build_placements(
+    groups: Sequence[Sequence[tuple[int, int, int]]], use_accel: bool
+) -> list[Placement]:
+    """Placements, in rank order, from each process's list of (hardware_rank, node_rank,
+    local_index); local ranks and local world sizes follow the layout."""
     per_node: Counter[int] = Counter(g[0][1] for g in groups)
     seen: Counter[int] = Counter()
     placements = []
@@ -107,7 +110,7 @@ def _resolve(
                 "a process must sit on one node"
             )
         groups.append(entries)
-    return _finish(groups, use_accel)
+    return build_placements(groups, use_accel)
 
 
 class PackedPlacementStrategy(PlacementStrategy):
@@ -231,7 +234,7 @@ class NodePlacementStrategy(PlacementStrategy):
                 f"{len(nodes)} node(s) (ranks 0..{len(nodes) - 1})"
             )
         groups = [[(-1, node_rank, 0)] for node_rank in self.node_ranks]
-        placements = _finish(groups, use_accel=False)
+        placements = build_placements(groups, use_accel=False)
         return [
             Placement(p.rank, p.node_rank, p.local_rank, p.local_world_size, (), ())
             for p in placements
@@ -283,7 +286,7 @@ class BundlePlacementStrategy(PlacementStrategy):
                         f"({have} {kind} there; the cluster has {len(nodes)} node(s))"
                     )
                 groups.append([(hardware[(node, i)], node, i)])
-        return _finish(groups, use_accel)
+        return build_placements(groups, use_accel)
 
     def __repr__(self) -> str:
         return f"BundlePlacementStrategy({self.bundle_indices_list})"

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlcomm.errors import WorkerGroupError
-from rlcomm.placement import NodeSpec, Placement
+from rlcomm.placement import NodeSpec, Placement, build_placements
 
 if TYPE_CHECKING:
     from rlcomm.cluster import Cluster
@@ -80,22 +79,7 @@ def pool_placements(slots: Sequence[tuple[int, int, int]], use_gpu: bool) -> lis
     ``local_rank`` and ``local_world_size`` follow the real layout: a worker's index
     among the pool's workers on its node, and their number.
     """
-    per_node = Counter(node for node, _, _ in slots)
-    seen: Counter[int] = Counter()
-    placements = []
-    for rank, (node, local, hw) in enumerate(slots):
-        placements.append(
-            Placement(
-                rank=rank,
-                node_rank=node,
-                local_rank=seen[node],
-                local_world_size=per_node[node],
-                accelerator_ids=(local,) if use_gpu else (),
-                hardware_ranks=(hw,),
-            )
-        )
-        seen[node] += 1
-    return placements
+    return build_placements([[(hw, node, local)] for node, local, hw in slots], use_gpu)
 
 
 class _Allocator:

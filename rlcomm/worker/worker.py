@@ -244,19 +244,8 @@ class Worker(DispatchInfoMixin):
         local: bool = False,
         item_type: Any = None,
     ) -> Channel:
-        """Create a new channel and return a handle on it (see :class:`~rlcomm.Channel`).
-
-        Args:
-            channel_name: a name unique among the live channels.
-            maxsize: the most items queued per key; 0 (default) for unbounded.
-            distributed: one channel worker per node; each key lives on the node of the
-                first process that uses it, so producers and consumers of a key on one
-                node stay local to that node.
-            node_rank: the node of the channel worker (not with ``distributed``).
-            local: an in-process channel (no worker) for pipelines inside this worker;
-                it cannot be connected from other workers.
-            item_type: the type every item must have (a class, or a typing form such as
-                ``list[Rollout]``); a non-conforming put raises ``ChannelTypeError``.
+        """Create a new channel and return a handle on it; the arguments are those of
+        :meth:`rlcomm.Channel.create` (seed name: ``Worker.create_channel``).
 
         Raises:
             ChannelError: a channel of that name exists already.
