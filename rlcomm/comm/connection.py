@@ -174,13 +174,12 @@ class Connection:
         """Send a message from the calling thread, after any queued async sends."""
         self._check_sendable()
         with self._send_state:
-            if self._queued_sends:
-                fut = None
+            behind_queue = self._queued_sends > 0
+            if behind_queue:
                 self._queued_sends += 1
-            else:
-                fut = self._send_lock  # send here, holding the lock
+            else:  # nothing queued: send here, holding the send lock
                 self._send_lock.acquire()
-        if fut is None:  # keep order behind the queued sends
+        if behind_queue:  # keep call order: go through the sender thread too
             self._sender.submit(self._send_queued, header, tensors, timeout, None).result()
             return
         try:
