@@ -35,7 +35,7 @@ from rlcomm.comm.rendezvous import (
 )
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.gloo import GlooTransport
-from rlcomm.comm.transports.shm import ShmTransport
+from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
     CommError,
@@ -244,11 +244,11 @@ class CommManager:
         else Gloo. Both ends decide alike: same node ids, same agreed options."""
         choice = (fields or {}).get("transport", "auto")
         same_node = ep.node_id == self.endpoint.node_id and ep.host == self.endpoint.host
-        if choice == "shm" and not same_node:
+        if choice == "shm" and not (same_node and SHM_SUPPORTED):
             raise OptionsMismatchError(
-                f"transport='shm' needs both workers on one node; {peer} is on another node"
+                f"transport='shm' needs both workers on one x86-64 node; {peer} is not"
             )
-        if choice in ("auto", "shm") and same_node:
+        if choice in ("auto", "shm") and same_node and SHM_SUPPORTED:
             return ShmTransport(store, rank, timeout, str(peer))
         return GlooTransport(store, rank, timeout, str(peer))
 

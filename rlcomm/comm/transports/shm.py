@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import platform
 import select
 import socket
 import struct
@@ -39,6 +40,8 @@ import torch.distributed as dist
 from rlcomm.comm.transports.base import Transport
 from rlcomm.errors import CommTimeoutError, PeerLostError
 
+#: The ring's lock-free counters rely on x86-64 keeping stores in order.
+SHM_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "memfd_create")
 #: Bytes of each direction's ring (payloads below the segment threshold, descriptors).
 RING_BYTES = int(os.environ.get("RLCOMM_SHM_RING_BYTES", 8 << 20))
 #: Payloads of at least this many bytes go through pooled segments.
