@@ -21,27 +21,7 @@ from rlcomm.single_controller import (
     register_dispatch_mode,
     split_resource_pool,
 )
-
-
-class Batch:
-    """A verl DataProto stand-in: chunk(n), concat(list), len and slicing."""
-
-    def __init__(self, items):
-        self.items = list(items)
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, s):
-        return Batch(self.items[s])
-
-    def chunk(self, n):
-        k = len(self) // n
-        return [Batch(self.items[i * k:(i + 1) * k]) for i in range(n)]
-
-    @staticmethod
-    def concat(batches):
-        return Batch([x for b in batches for x in b.items])
+from tests.worker.test_dispatch import Batch  # the shared verl DataProto stand-in
 
 
 def _reverse_dispatch(worker_group, *args, **kwargs):
