@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm import Cluster, CollectiveGroupOptions, NodePlacementStrategy, Worker
+from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 
 SIZES = [4, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
 LATENCY_MAX = 64 << 10  # sizes up to this also get a ping-pong latency
@@ -52,6 +53,7 @@ class BenchWorker(Worker):
         super().__init__()
         torch.set_num_threads(1)
         self._bufs: dict[int, torch.Tensor] = {}
+        self._raw_shm: ShmTransport | None = None
 
     def _buf(self, nbytes: int) -> torch.Tensor:
         if nbytes not in self._bufs:
@@ -76,6 +78,16 @@ class BenchWorker(Worker):
                 for _ in range(iters):
                     dist.recv(t, 0)
                 dist.send(ack, 0)
+        elif path == "raw shm":
+            raw, flat, flat_ack = self._raw_shm, t.view(torch.uint8), ack.view(torch.uint8)
+            if self._rank == 0:
+                for _ in range(iters):
+                    raw.send([flat], 600)
+                raw.recv_into([flat_ack], 600)
+            else:
+                for _ in range(iters):
+                    raw.recv_into([flat], 600)
+                raw.send([flat_ack], 600)
         elif self._rank == 0:
             if path in ("send/recv", "send/recv (gloo)"):
                 for _ in range(iters):
@@ -114,6 +126,14 @@ class BenchWorker(Worker):
                 else:
                     dist.recv(t, 0)
                     dist.send(t, 0)
+            elif path == "raw shm":
+                flat = t.view(torch.uint8)
+                if self._rank == 0:
+                    self._raw_shm.send([flat], 600)
+                    self._raw_shm.recv_into([flat], 600)
+                else:
+                    self._raw_shm.recv_into([flat], 600)
+                    self._raw_shm.send([flat], 600)
             elif path == "send_tensor/recv_tensor":
                 if self._rank == 0:
                     self.send_tensor(t, group, peer)
@@ -134,6 +154,18 @@ class BenchWorker(Worker):
     def init_raw_gloo(self) -> bool:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
+        return True
+
+    def init_raw_shm(self) -> bool:
+        """The shared-memory transport alone, without rlcomm's messages around it (the
+        raw path that rlcomm's same-node send/recv runs on)."""
+        if not SHM_SUPPORTED:
+            return False
+        # A client of the store that init_raw_gloo's process group started.
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               is_master=False)
+        store = dist.PrefixStore("raw_shm", client)
+        self._raw_shm = ShmTransport(store, self._rank, 60, f"rank {1 - self._rank}")
         return True
 
     def first_contact(self) -> float:
@@ -188,6 +220,7 @@ class Bench:
             self.cluster, NodePlacementStrategy(nodes), name="bench_p2p"
         )
         self.pair.init_raw_gloo().wait(timeout=120)
+        self.raw_shm_ok = args.nodes == 1 and all(self.pair.init_raw_shm().wait(timeout=120))
         # Options apply on first contact: the forced-Gloo path gets a pair of its own.
         self.gloo_pair = BenchWorker.create_group().launch(
             self.cluster, NodePlacementStrategy(nodes), name="bench_p2p_gloo"
@@ -257,11 +290,14 @@ class Bench:
 
         paths = ["send/recv", "send_tensor/recv_tensor", "async send/recv", "send/recv (gloo)",
                  "raw gloo", "ray actor call", "ray zero-copy"]
+        raw_shm = ["raw shm"] if self.raw_shm_ok else []
+        paths[5:5] = raw_shm
         if self.rdt_ok:
             paths.append("ray direct transport (gloo)")
         jobs = [(p, s) for s in self.args.sizes for p in paths]
         jobs += [(f"latency:{p}", s) for s in self.args.sizes if s <= LATENCY_MAX
-                 for p in ("send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo")]
+                 for p in ("send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",
+                           *raw_shm)]
         for path, nbytes in tqdm(jobs, desc="bench_p2p", unit="case", file=sys.stderr):
             big = nbytes >= (256 << 20)
             iters = _iters(nbytes, self.args.target_bytes if not path.startswith("ray") else
@@ -325,6 +361,13 @@ class Bench:
                              else f"{'-':>14s}")
             if any(c.strip() != "-" for c in cells):
                 lines.append(f"{base:34s}" + "".join(cells))
+        tensor_vs_shm = [(s, self.get("send_tensor/recv_tensor", s, "GB/s"),
+                          self.get("raw shm", s, "GB/s")) for s in sizes if s >= (1 << 20)]
+        if any(a and b for _, a, b in tensor_vs_shm):
+            lines.append("\nsend_tensor/recv_tensor over the raw shm transport it runs on "
+                         "(bandwidth, >= 1 MiB): " + ", ".join(
+                             f"{_human(s)} {a['median'] / b['median']:.2f}x"
+                             for s, a, b in tensor_vs_shm if a and b))
         lat = [(s, self.get("send/recv", s, "latency_us"), self.get("raw gloo", s, "latency_us"))
                for s in sizes if s <= LATENCY_MAX]
         if lat:

@@ -21,7 +21,7 @@ import ray
 
 from rlcomm.channel import lifecycle
 from rlcomm.channel import protocol as P
-from rlcomm.channel.client import LocalLink, Requester, cached_link, link_to
+from rlcomm.channel.client import LocalLink, Requester, RequestFuture, cached_link, link_to
 from rlcomm.channel.itemtype import check_item, describe_type, validate_type
 from rlcomm.channel.lifecycle import ChannelInfo
 from rlcomm.channel.routing import RouteCache
@@ -477,13 +477,15 @@ class Channel:
         return [self._link(r) for r in range(len(self._info.node_ids))]
 
     def _finish(
-        self, fut: concurrent.futures.Future, op: str, key: P.Key, timeout: float, async_op: bool
+        self, fut: RequestFuture, op: str, key: P.Key, timeout: float, async_op: bool
     ) -> Any:
         wait = timeout + REPLY_GRACE
         if async_op:
             return AsyncWork(fut, f"channel {self.name!r}: {op} on key {key!r}", wait)
         try:
-            return fut.result(wait)
+            if not fut.requester.wait_reply(fut, wait):
+                raise concurrent.futures.TimeoutError
+            return fut.result(0)
         except CommTimeoutError:  # the op's own timeout (a TimeoutError too, since 3.11)
             raise
         except concurrent.futures.TimeoutError:

@@ -6,8 +6,11 @@ shared by every :class:`~rlcomm.Channel` handle and every thread of the process.
 - numbers requests and keeps a future per request;
 - sends requests through an :class:`~rlcomm.channel.outbox.Outbox` as rlcomm messages
   (requests posted while another is being sent travel together in one message);
-- owns ONE *reply reader* thread that receives the worker's reply messages and resolves
-  the futures, so many threads and coroutines can wait on one channel at once;
+- listens to its rlcomm connection: every reply message is handed, on the thread that
+  read it, to :meth:`Requester.on_replies`, which resolves the futures. A thread that
+  blocks on a request reads the replies itself (``Connection.pump``), so its own reply
+  costs no thread hop; otherwise (async ops, asyncio) the connection's receiver thread
+  reads them. Many threads and coroutines can wait on one channel at once;
 - turns a lost connection (the worker died: the comm layer raises ``PeerLostError``)
   into :class:`~rlcomm.ChannelLostError` for every waiting and every later request.
 
@@ -141,6 +144,11 @@ class Requester:
         if self._lost is None:
             self._post([((op, P.NO_REPLY, key, arg, None), item)], False)
 
+    def wait_reply(self, fut: concurrent.futures.Future, timeout: float) -> bool:
+        """Block until ``fut`` is done (True) or ``timeout`` seconds passed (False)."""
+        done, _ = concurrent.futures.wait([fut], timeout)
+        return bool(done)
+
     def _withdraw(self, rid: int, key: P.Key) -> None:
         with self._lock:
             still_pending = rid in self._pending
@@ -249,8 +257,8 @@ _RESULT_OPS = frozenset((*P.GET_OPS, P.QSIZE, P.ROUTE))
 class Link(Requester):
     """This process's connection to one channel worker (see the module docstring).
 
-    Registers this process with the worker (one Ray control call) and starts the reply
-    reader thread.
+    Listens to the rlcomm connection with the worker, then registers this process with
+    the worker (one Ray control call).
 
     Raises:
         ChannelLostError: the worker's actor is gone.
@@ -264,19 +272,18 @@ class Link(Requester):
 
         try:
             actor = ray.get_actor(actor_name(group_name, rank), namespace=RLCOMM_NAMESPACE)
+            self._conn = self._comm.listen(
+                self.address, self._on_message, self._on_error, LISTEN_OPTIONS
+            )
             ray.get(
                 actor.channel_register_client.remote(str(self._comm.address)),
                 timeout=CONTROL_TIMEOUT,
             )
-        except (ValueError, ray.exceptions.RayError) as exc:
+        except (ValueError, ray.exceptions.RayError, PeerNotFoundError) as exc:
             raise ChannelLostError(
                 f"channel {channel!r}: cannot reach its channel worker {self.address}: {exc}"
             ) from exc
         self._outbox = Outbox(self._send, self.fail)
-        self._reader = threading.Thread(
-            target=self._read, name=f"rlcomm-channel-replies-{self.address}", daemon=True
-        )
-        self._reader.start()
 
     def _post(self, entries: list[tuple[tuple, Any]], inline: bool) -> None:
         self._outbox.post(entries, inline)
@@ -285,25 +292,22 @@ class Link(Requester):
         message = P.pack([h for h, _ in entries], [i for _, i in entries])
         self._comm.send(message, self.address, False, SEND_OPTIONS)
 
-    def _read(self) -> None:
-        while True:
-            try:
-                env = self._comm.recv(self.address, False, LISTEN_OPTIONS)
-            except CommTimeoutError:
-                continue
-            except (PeerLostError, PeerNotFoundError) as exc:
-                self.lose(exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - a broken stream ends the link, loudly
-                logger.exception("channel %r: receiving from %s failed", self.channel, self.where)
-                self.lose(exc)
-                return
-            message = P.unpack(env)
-            if message is None:
-                logger.error("channel %r: unexpected message %r from %s", self.channel,
-                             type(env).__name__, self.where)
-                continue
-            self.on_replies(*message)
+    def wait_reply(self, fut: concurrent.futures.Future, timeout: float) -> bool:
+        return self._conn.pump(fut, timeout, self._awaits_replies)
+
+    def _awaits_replies(self) -> bool:
+        return bool(self._pending)
+
+    def _on_message(self, env: Any) -> None:
+        message = P.unpack(env)
+        if message is None:
+            logger.error("channel %r: unexpected message %r from %s", self.channel,
+                         type(env).__name__, self.where)
+            return
+        self.on_replies(*message)
+
+    def _on_error(self, exc: CommError) -> None:
+        self.lose(exc)
 
 
 class LocalLink(Requester):

@@ -276,8 +276,9 @@ def _pickle(obj: Any, what: str) -> bytes:
 
 def _unpickle(data: bytes | torch.Tensor, what: str) -> Any:
     try:
-        if isinstance(data, torch.Tensor):
-            data = as_bytes(data).cpu().numpy()  # a zero-copy buffer for pickle
+        if isinstance(data, torch.Tensor):  # a zero-copy buffer for pickle
+            is_flat_bytes = data.dtype is torch.uint8 and data.dim() == 1 and data.is_cpu
+            data = data.numpy() if is_flat_bytes else as_bytes(data).cpu().numpy()
         return pickle.loads(data)
     except Exception as exc:
         raise CodecError(f"cannot unpickle the received {what}: {exc}") from exc

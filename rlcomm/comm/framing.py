@@ -22,7 +22,10 @@ _LEN = struct.Struct("<I")
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
-    return codec.as_bytes(t).numpy().tobytes()
+    try:  # numpy's view of the tensor skips two torch reshapes (small frames are hot)
+        return t.numpy().tobytes()
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8)
+        return codec.as_bytes(t).numpy().tobytes()
 
 
 def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
@@ -59,8 +62,11 @@ def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor]:
     for meta in header.tensors:
         n = meta.nbytes
         if n:
-            raw = torch.frombuffer(bytearray(inline[offset : offset + n]), dtype=torch.uint8)
-            tensors.append(raw.view(codec.dtype_of(meta.dtype)).reshape(meta.shape))
+            flat = torch.frombuffer(
+                bytearray(inline[offset : offset + n]), dtype=codec.dtype_of(meta.dtype)
+            )
+            shape = meta.shape
+            tensors.append(flat if len(shape) == 1 else flat.reshape(shape))
         else:
             tensors.append(codec.empty_like_meta(meta, torch.device("cpu")))
         offset += n

@@ -8,11 +8,13 @@ reader thread), a small pool of handshake threads, and every :class:`Connection`
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import itertools
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -52,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 _encode_fields = msgspec.msgpack.Encoder().encode
 _decode_fields = msgspec.msgpack.Decoder(dict | None).decode
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
 
 
 def _ray_session() -> str:
@@ -347,7 +354,7 @@ class CommManager:
         ticket = conn.take_ticket()
         timeout = op_timeout(options)
         device = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if _cuda_available() and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
 
         def run() -> Any:
@@ -360,6 +367,16 @@ class CommManager:
             what = f"{'recv_tensor' if into is not None else 'recv'} at {self.address} from {src}"
             return AsyncWork(conn.run_async(run), what, timeout)
         return run()
+
+    def listen(
+        self, peer: WorkerAddress, on_message: Callable[[Any], None],
+        on_error: Callable[[CommError], None], options: CollectiveGroupOptions | None,
+    ) -> Connection:
+        """Hand every message from ``peer`` to ``on_message`` (see ``Connection.listen``);
+        the connection is then not for ``recv``. Wait for replies with its ``pump``."""
+        conn = self.connection(peer, options)
+        conn.listen(on_message, on_error)
+        return conn
 
     def broadcast(
         self, obj: Any, groups: GroupsSpec, src: tuple[str, RankLike] | None, async_op: bool,

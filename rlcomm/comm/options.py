@@ -22,10 +22,15 @@ def set_default_timeout(seconds: float) -> None:
 
 
 def default_timeout() -> float:
-    """The process-wide default op timeout: set_default_timeout, else the env, else 180 s."""
+    """The process-wide default op timeout: set_default_timeout, else the env (read
+    when rlcomm is imported), else 180 s."""
     if _default_timeout is not None:
         return _default_timeout
-    return float(os.environ.get(COMM_TIMEOUT_ENV, 180.0))
+    return _ENV_TIMEOUT
+
+
+#: ``RLCOMM_COMM_TIMEOUT`` as it was when rlcomm was imported (read once: ops are hot).
+_ENV_TIMEOUT = float(os.environ.get(COMM_TIMEOUT_ENV, 180.0))
 
 
 @dataclass(frozen=True)
@@ -72,4 +77,6 @@ class CollectiveGroupOptions:
 
 
 def op_timeout(options: CollectiveGroupOptions | None) -> float:
-    return (options or CollectiveGroupOptions()).effective_timeout()
+    if options is None or options.timeout is None:
+        return default_timeout()
+    return options.timeout

@@ -49,6 +49,9 @@ class Transport(ABC):
 
     #: Short name used in logs and benchmarks ("gloo", "nccl", "shm").
     name: str = "?"
+    #: Whether :meth:`poll` works: a receiver can then wait for the next frame without
+    #: committing to receive it, and any thread may read (one at a time).
+    pollable: bool = False
 
     @abstractmethod
     def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
@@ -99,6 +102,25 @@ class Transport(ABC):
         tensors = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         self.recv_into(tensors, timeout)
         return tensors
+
+    def poll(self, timeout: float | None, wake_fd: int | None = None) -> bool:
+        """Wait until a frame can be received at once, consuming nothing of it.
+
+        Only for ``pollable`` transports. Once it returns True, :meth:`recv_frame` and
+        the frame's payload receives do not wait on the peer's pace.
+
+        Args:
+            timeout: seconds, or ``None`` to wait as long as the peer is alive.
+            wake_fd: a file descriptor that ends the wait when it becomes readable (it
+                is not read here).
+
+        Returns:
+            True when a frame is there; False on timeout or when ``wake_fd`` woke it.
+
+        Raises:
+            PeerLostError: the connection to the peer broke.
+        """
+        raise NotImplementedError(f"the {self.name} transport cannot be polled")
 
     @abstractmethod
     def close(self) -> None:

@@ -9,6 +9,10 @@ returns to the sender's pool when the receiver is done with it (after the copy, 
 the last view of it is freed): the receiver clears the segment's byte in the ring's
 state table, and the sender reuses segments whose byte is clear.
 
+The transport is pollable: a receiver may wait for the next frame (:meth:`poll`) with a
+wake-up file descriptor beside the socket, and whichever thread holds the receiving role
+then reads it, so a waiting caller reads its own message without a thread hop.
+
 Notifications and file descriptors travel over a pair of ``AF_UNIX`` ``SOCK_SEQPACKET``
 sockets (one per direction) bound to abstract names: a one-byte token after every send,
 a token back when the sender waits for ring space, and each new memfd (SCM_RIGHTS).
@@ -48,13 +52,21 @@ RING_BYTES = int(os.environ.get("RLCOMM_SHM_RING_BYTES", 8 << 20))
 SEGMENT_THRESHOLD = int(os.environ.get("RLCOMM_SHM_SEGMENT_THRESHOLD", 256 << 10))
 #: Most bytes of segments one direction keeps; past it, payloads stream through the ring.
 POOL_BYTES = int(os.environ.get("RLCOMM_SHM_POOL_BYTES", 4 << 30))
+#: Most seconds a polling receiver checks the ring before it sleeps (``RLCOMM_SHM_SPIN_US``;
+#: 0 turns spinning off).
+SPIN_SECONDS = float(os.environ.get("RLCOMM_SHM_SPIN_US", 200)) / 1e6
 _MAX_SEGMENTS = 1024
 _MAX_IN_FLIGHT = int(os.environ.get("RLCOMM_SHM_MAX_IN_FLIGHT", 16))
 _CTRL = 4096  # control block before the ring data: counters and segment states
-_HEAD, _TAIL, _WAITING, _STATES = 0, 8, 16, 1024  # int64 indices / byte offset
+_HEAD, _TAIL, _WAITING, _SLEEPING, _STATES = 0, 8, 16, 24, 1024  # byte offsets
+#: A reader's first sleep is this short (seconds): a sender that raced with the reader's
+#: sleeping flag and sent no token is seen at the next look (see ``_sleep_until_data``).
+_RECHECK = 0.001
 _RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
 _INLINE, _SEGMENT, _FRAME = 1, 2, 3
 _TOKEN = b"t"
+_FD_BYTES = 4  # a C int
+_FD_SPACE = socket.CMSG_SPACE(_FD_BYTES)  # room for one file descriptor per message
 
 
 def _map_fd(fd: int, size: int) -> mmap.mmap:
@@ -73,7 +85,7 @@ class _Ring:
 
     def __init__(self, mm: mmap.mmap):
         self.mm = mm
-        self.words = np.frombuffer(mm, dtype=np.int64, count=3)
+        self.words = np.frombuffer(mm, dtype=np.int64, count=4)
         self.states = np.frombuffer(mm, dtype=np.uint8, count=_MAX_SEGMENTS, offset=_STATES)
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=_CTRL, count=RING_BYTES)
 
@@ -97,6 +109,7 @@ class ShmTransport(Transport):
     """
 
     name = "shm"
+    pollable = True
 
     def __init__(self, store: dist.Store, rank: int, timeout: float, peer: str):
         self._peer = peer
@@ -113,6 +126,8 @@ class ShmTransport(Transport):
         os.close(in_fd)
         for sock in (self._out_sock, self._in_sock):
             sock.settimeout(None)
+        self._pollers: dict[tuple[int, int | None], select.poll] = {}
+        self._spin = SPIN_SECONDS  # current spin of poll (see there)
         self._segments: list[_Segment] = []  # outgoing pool
         self._pool_bytes = 0
         self._peer_segments: dict[int, _Segment] = {}  # incoming, mapped on first sight
@@ -170,6 +185,46 @@ class ShmTransport(Transport):
     def _lost(self, what: str) -> PeerLostError:
         return PeerLostError(f"{what} with {self._peer} failed: the peer process is gone")
 
+    def _wake_reader(self) -> None:
+        """Send a token after new data, if the peer's reader sleeps (else it sees the data
+        on its own: it is reading or spinning)."""
+        if self._out.words[_SLEEPING // 8]:
+            self._notify(self._out_sock)
+
+    def _sleep_until_data(self, deadline: float | None, wake_fd: int | None = None) -> bool:
+        """Sleep until incoming data is there (True), or ``wake_fd`` / the deadline (False).
+
+        The sleeping flag tells the sender to send a token. x86 may let the sender read
+        the flag before its data is visible here while this side reads the ring before
+        its flag is visible there, so both could miss each other: the first sleep is
+        therefore :data:`_RECHECK` short; after it the flag is surely visible to the
+        sender, and data that raced with it is visible here.
+        """
+        words = self._in.words
+        poller = self._poller(self._in_sock, wake_fd)
+        sock_fd = self._in_sock.fileno()
+        words[_SLEEPING // 8] = 1
+        try:
+            recheck = True
+            while self._available() == 0:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                wait = remaining
+                if recheck:
+                    wait = _RECHECK if remaining is None else min(remaining, _RECHECK)
+                events = poller.poll(None if wait is None else wait * 1000)
+                if not events:
+                    recheck = False
+                for fd, _ in events:
+                    if fd == sock_fd:
+                        self._read_sock(self._in_sock, False, None, "shm recv")
+                    elif fd == wake_fd:
+                        return self._available() > 0
+            return True
+        finally:
+            words[_SLEEPING // 8] = 0
+
     def _notify(self, sock: socket.socket) -> None:
         try:
             sock.send(_TOKEN, socket.MSG_DONTWAIT)
@@ -178,12 +233,22 @@ class ShmTransport(Transport):
         except OSError as exc:
             raise self._lost("shm notify") from exc
 
+    def _poller(self, sock: socket.socket, wake_fd: int | None = None) -> select.poll:
+        key = (sock.fileno(), wake_fd)
+        poller = self._pollers.get(key)
+        if poller is None:
+            poller = select.poll()  # not select.select: Ray processes have fds past 1024
+            for fd in key:
+                if fd is not None:
+                    poller.register(fd, select.POLLIN)
+            self._pollers[key] = poller
+        return poller
+
     def _wait_readable(self, sock: socket.socket, deadline: float | None, what: str) -> None:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise CommTimeoutError(f"{what} with {self._peer} timed out")
-        ready, _, _ = select.select([sock], [], [], remaining)
-        if not ready:
+        if not self._poller(sock).poll(None if remaining is None else remaining * 1000):
             raise CommTimeoutError(f"{what} with {self._peer} timed out")
 
     def _read_sock(self, sock: socket.socket, block: bool, deadline: float | None, what: str) -> bool:
@@ -191,7 +256,7 @@ class ShmTransport(Transport):
         if block:
             self._wait_readable(sock, deadline, what)
         try:
-            data, fds, _, _ = socket.recv_fds(sock, 64, 1, socket.MSG_DONTWAIT)
+            data, ancillary, _, _ = sock.recvmsg(64, _FD_SPACE, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -200,6 +265,7 @@ class ShmTransport(Transport):
             raise self._lost(what) from exc
         if not data:
             raise self._lost(what)
+        fds = _fds_of(ancillary) if ancillary else None
         if fds:
             seg_id, size = struct.unpack("<IQ", data[1:13])
             self._peer_segments[seg_id] = _Segment(seg_id, size, _map_fd(fds[0], size))
@@ -239,11 +305,11 @@ class ShmTransport(Transport):
             words[_HEAD // 8] = head + n
             done += n
             if done < total:
-                self._notify(self._out_sock)
+                self._wake_reader()
 
     def _wait_space(self, deadline: float) -> None:
         words = self._out.words
-        self._notify(self._out_sock)  # the receiver may be asleep with data waiting
+        self._wake_reader()  # the receiver may be asleep with data waiting
         words[_WAITING // 8] = 1
         while self._space() == 0:
             if time.monotonic() > deadline:
@@ -298,7 +364,7 @@ class ShmTransport(Transport):
             raise self._lost("shm send")
         deadline = time.monotonic() + timeout
         self._send_payload(tensors, deadline)
-        self._notify(self._out_sock)
+        self._wake_reader()
 
     def send_frame(self, frame: bytes, payload: Sequence[torch.Tensor], timeout: float) -> None:
         if self._closed:
@@ -306,7 +372,7 @@ class ShmTransport(Transport):
         deadline = time.monotonic() + timeout
         self._write(_RECORD.pack(_FRAME, 0, len(frame)) + frame, deadline)
         self._send_payload(payload, deadline)
-        self._notify(self._out_sock)
+        self._wake_reader()
 
     def _send_payload(self, tensors: Sequence[torch.Tensor], deadline: float) -> None:
         for t in tensors:
@@ -334,7 +400,8 @@ class ShmTransport(Transport):
         while done < nbytes:
             avail = self._available()
             if avail == 0:
-                self._read_sock(self._in_sock, True, deadline, "shm recv")
+                if not self._sleep_until_data(deadline):
+                    raise CommTimeoutError(f"shm recv from {self._peer} timed out")
                 continue
             n = min(avail, nbytes - done)
             tail = int(words[_TAIL // 8])
@@ -357,6 +424,46 @@ class ShmTransport(Transport):
                 self._notify(self._in_sock)
         return b"".join(parts) if dst is None else None
 
+    def poll(self, timeout: float | None, wake_fd: int | None = None) -> bool:
+        if self._closed:
+            raise self._lost("shm recv")
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        if self._available() == 0 and self._spin > 0:
+            # A reply often comes within microseconds: yielding the CPU in a loop for a
+            # moment beats sleeping and being woken (tens of microseconds, two syscalls).
+            # The spin adapts: it doubles after data came while spinning, and halves
+            # (down to a floor) after it had to sleep, so idle streams waste little.
+            spin_end = now + self._spin if deadline is None else min(now + self._spin, deadline)
+            while self._available() == 0 and time.monotonic() < spin_end:
+                os.sched_yield()
+            if self._available():
+                self._spin = min(SPIN_SECONDS, self._spin * 2)
+            else:
+                self._spin = max(SPIN_SECONDS / 8, self._spin / 2)
+        return self._available() > 0 or self._sleep_until_data(deadline, wake_fd)
+
+    def _frame_in_place(self) -> bytes | None:
+        """The next frame when it is all in the ring and does not wrap (the common case:
+        one slice instead of two reads), else None."""
+        words = self._in.words
+        tail = int(words[_TAIL // 8])
+        avail = int(words[_HEAD // 8]) - tail
+        pos = tail % RING_BYTES
+        end = pos + _RECORD.size
+        if avail < _RECORD.size or end > RING_BYTES:
+            return None
+        mm = self._in.mm
+        kind, _, n = _RECORD.unpack_from(mm, _CTRL + pos)
+        if kind != _FRAME or avail < _RECORD.size + n or end + n > RING_BYTES:
+            return None
+        frame = mm[_CTRL + end : _CTRL + end + n]
+        words[_TAIL // 8] = tail + _RECORD.size + n
+        if words[_WAITING // 8]:
+            words[_WAITING // 8] = 0
+            self._notify(self._in_sock)
+        return frame
+
     def _next_record(self, deadline: float | None) -> tuple[int, int, int]:
         return _RECORD.unpack(self._read(None, _RECORD.size, deadline))
 
@@ -375,6 +482,9 @@ class ShmTransport(Transport):
     def recv_frame(self, timeout: float | None) -> bytes:
         if self._closed:
             raise self._lost("shm recv")
+        frame = self._frame_in_place()
+        if frame is not None:
+            return frame
         deadline = None if timeout is None else time.monotonic() + timeout
         kind, _, n = self._next_record(deadline)
         if kind != _FRAME:
@@ -425,6 +535,15 @@ class ShmTransport(Transport):
             except OSError:
                 pass
             sock.close()
+
+
+def _fds_of(ancillary: list) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % _FD_BYTES
+            fds.extend(struct.unpack(f"{usable // _FD_BYTES}i", data[:usable]))
+    return fds
 
 
 def _release(states: np.ndarray, seg_id: int) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
+import os
+import random
 import threading
 import time
 
@@ -112,3 +115,63 @@ def test_recv_timeout_and_peer_close(pair):
     a.close()
     with pytest.raises(PeerLostError):
         b.recv_into([torch.empty(4, dtype=torch.uint8)], 5)
+
+
+def test_poll_waits_for_a_frame_and_ends_on_the_wake_fd(pair):
+    a, b = pair
+    assert b.poll(0.05) is False  # nothing sent: a timeout, nothing consumed
+    a.send_frame(b"hello", [], 5)
+    assert b.poll(1) is True
+    assert b.recv_frame(1) == b"hello"
+    wake_r, wake_w = os.pipe()
+    try:
+        threading.Timer(0.2, os.write, (wake_w, b"w")).start()
+        start = time.monotonic()
+        assert b.poll(10, wake_r) is False
+        assert 0.1 < time.monotonic() - start < 5
+    finally:
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+def _ping_pong_end(rank: int, port: int, count: int, out: mp.Queue) -> None:
+    """One end of a two-process exchange with irregular pauses (see the test)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    end = ShmTransport(dist.PrefixStore("pp", store), rank, 30, f"end{1 - rank}")
+    rng = random.Random(rank)
+    try:
+        for i in range(count):
+            if rank == 0:
+                end.send_frame(i.to_bytes(4, "little"), [], 10)
+                got = end.recv_frame(10)
+            else:
+                got = end.recv_frame(10)
+                # Pauses around the spin length: the receiver alternates between
+                # catching the frame while spinning and sleeping on its flag.
+                time.sleep(rng.choice((0, 0, 0.00005, 0.0003, 0.002)))
+                end.send_frame(got, [], 10)
+            if int.from_bytes(got, "little") != i:
+                raise AssertionError(f"frame {i} came back as {got!r}")
+        out.put((rank, "ok"))
+    except BaseException as exc:  # reported to the test
+        out.put((rank, repr(exc)))
+    finally:
+        end.close()
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_never_miss_a_wake_up():
+    """The sender sends a wake-up token only while the receiver's sleeping flag is set;
+    two real processes exchanging with irregular pauses must never stall (a missed
+    token would show as a 10 s timeout)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    count = 1500
+    procs = [ctx.Process(target=_ping_pong_end, args=(r, server.port, count, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=100) for _ in procs)
+    for p in procs:
+        p.join(timeout=10)
+    assert results == {0: "ok", 1: "ok"}
