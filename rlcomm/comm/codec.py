@@ -23,6 +23,7 @@ import importlib
 import io
 import math
 import pickle
+import threading
 from collections import ChainMap
 from enum import IntEnum
 from typing import Annotated, Any, Literal
@@ -262,16 +263,42 @@ class _ObjectPickler(cloudpickle.Pickler):
     dispatch_table = _OBJECT_DISPATCH
 
 
+class _ReusedPickler(threading.local):
+    """One pickler per thread, reset between uses (making one costs more than a small
+    message's whole pickling)."""
+
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        self.pickler = _ObjectPickler(self.buf, protocol=PICKLE_PROTOCOL)
+        self.in_use = False
+
+
+_reused = _ReusedPickler()
+
+
 def _pickle(obj: Any, what: str) -> bytes:
     """Pickle ``obj``; tensors in it travel detached and contiguous, on the same device."""
-    buf = io.BytesIO()
+    state = _reused
+    if state.in_use:  # re-entered from inside a pickling: a fresh pickler
+        buf = io.BytesIO()
+        pickler = _ObjectPickler(buf, protocol=PICKLE_PROTOCOL)
+    else:
+        state.in_use = True
+        buf, pickler = state.buf, state.pickler
     try:
-        _ObjectPickler(buf, protocol=PICKLE_PROTOCOL).dump(obj)
+        pickler.dump(obj)
         return buf.getvalue()
     except Exception as exc:
         raise CodecError(
             f"cannot pickle the {what} of type {type(obj).__qualname__}: {exc}"
         ) from exc
+    finally:
+        if buf is state.buf:
+            buf.seek(0)
+            buf.truncate()
+            pickler.clear_memo()
+            pickler.globals_ref = {}  # cloudpickle's per-pickling state
+            state.in_use = False
 
 
 def _unpickle(data: bytes | torch.Tensor, what: str) -> Any:

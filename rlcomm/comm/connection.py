@@ -7,29 +7,17 @@ Sending: a blocking send runs on the calling thread when nothing is queued ahead
 ``async_op=True`` sends (and blocking ones behind them) run on the connection's *sender*
 thread, so messages of different caller threads never interleave.
 
-Receiving: one thread at a time holds the *receiving role* and reads the next message
-from the transport into the inbox. By default the connection's *receiver* thread holds
-it, so a peer's send never waits for this worker's code to call ``recv``. On a pollable
-transport (shared memory) a receive op that finds the inbox empty takes the role itself
-(waking the receiver thread if it was waiting) and reads its own message, which saves a
-thread hop per message; the receiver thread takes the role back once no op has read for
-:data:`_LINGER` seconds. CPU payloads are read eagerly into fresh tensors. A
-``send_tensor`` payload (read in place into the caller's buffer) or a CUDA payload (read
-on the caller's device) *stalls* the stream until the receive op that takes the message
-reads the payload itself. A *consumer* thread runs the ``async_op=True`` receives.
-
-Receives are served in call order (a ticket per call), so an async receive posted first
-gets the first message even if a blocking receive is called right after it.
-"""
+Receiving: who reads the stream (a waiting receive op, the receiver thread) is the
+business of :mod:`rlcomm.comm.reading`. A *consumer* thread runs the ``async_op=True``
+receives. Receives are served in call order (a ticket per call), so an async receive
+posted first gets the first message even if a blocking receive is called right after it."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,10 +26,16 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import Kind, MessageHeader
+from rlcomm.comm.reading import (
+    ROLE_CLAIMANT,
+    ROLE_RECEIVER_THREAD,
+    ROLE_STALLED,
+    Incoming,
+    StreamReader,
+)
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.nccl import NcclTransport
 from rlcomm.errors import (
-    CodecError,
     CommError,
     CommTimeoutError,
     PeerLostError,
@@ -51,25 +45,7 @@ from rlcomm.errors import (
 logger = logging.getLogger(__name__)
 
 
-
-#: Seconds the receiver thread leaves the receiving role to receive ops after one read.
-_LINGER = 0.005
-#: Holders of the receiving role (``None``: nobody; ``_STALLED``: a deferred payload is
-#: next in the stream and waits for the receive op that takes its message).
-_BACKGROUND, _CALLER, _STALLED, _CLAIMANT = "receiver thread", "caller", "stalled", "claimant"
-
-
-class _Incoming:
-    """A received message; a deferred one still has its payload in the stream."""
-
-    def __init__(self, header: MessageHeader, inline: bytes):
-        self.header = header
-        self.inline = inline
-        self.tensors: list[torch.Tensor] | None = None
-        self.deferred = False
-
-
-class Connection:
+class Connection(StreamReader):
     """The two-way message stream with one peer, over a connected transport.
 
     Created pending by the manager; :meth:`attach` hands it the connected transport
@@ -91,23 +67,10 @@ class Connection:
         self._rank = 0
         self._nccl: NcclTransport | None = None
         self._nccl_lock = threading.Lock()
-        lock = threading.RLock()
-        self._cond = threading.Condition(lock)  # guards the inbox, tickets and the role
-        # The receiver thread waits on its own condition (same lock), so that handing
-        # messages to receive ops does not wake it each time.
-        self._receiver_wake = threading.Condition(lock)
-        self._inbox: deque[_Incoming] = deque()
+        super().__init__()
         self._next_ticket = 0
         self._serving = 0
         self._abandoned: set[int] = set()
-        self._role: str | None = None  # who may read from the transport (see module doc)
-        self._wanting = 0  # receive ops waiting for the receiver thread to leave the role
-        self._last_read = 0.0  # when a receive op last left the role
-        self._listener: tuple[Callable[[Any], None], Callable[[CommError], None]] | None = None
-        self._pumper: int | None = None  # the thread id of a pump() holding the role
-        self._wake_r, self._wake_w = os.pipe()  # wakes the receiver thread out of poll
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self._sender = concurrent.futures.ThreadPoolExecutor(1, f"rlcomm-send-{peer}")
         self._send_lock = threading.Lock()  # held while a message is being sent
         self._send_state = threading.Lock()  # guards _queued_sends
@@ -242,121 +205,6 @@ class Connection:
                 )
             return self._nccl
 
-    # -- receiving: the role and the receiver thread ----------------------------------------
-
-    def _read_message(self, transport: Transport) -> _Incoming:
-        """Read the next message; with a deferred payload, only its frame."""
-        msg = _Incoming(*framing.unpack(transport.recv_frame(None)))
-        header = msg.header
-        metas = header.tensors
-        if header.inline or not metas:
-            if header.kind != Kind.RAW:
-                msg.tensors = framing.split_inline(header, msg.inline)
-        elif header.kind != Kind.RAW and not metas[0].device.startswith("cuda"):
-            payload = transport.recv_new([m.nbytes for m in metas if m.nbytes], None)
-            msg.tensors = framing.tensors_from_payload(header, payload)
-        else:
-            msg.deferred = True
-        return msg
-
-    def _leave_role(self, msg: _Incoming | None, by_caller: bool) -> None:
-        """Queue what the role holder read and free the role (call holding ``_cond``)."""
-        if msg is not None:
-            self._inbox.append(msg)
-        stall_ends = self._role == _CLAIMANT
-        self._role = _STALLED if msg is not None and msg.deferred else None
-        if by_caller:
-            self._last_read = time.monotonic()
-        self._cond.notify_all()
-        if stall_ends:
-            self._receiver_wake.notify()
-
-    def _receiver_may_read(self, pollable: bool) -> bool:
-        if self._role is not None:
-            return False
-        return not pollable or (
-            self._wanting == 0 and time.monotonic() - self._last_read >= _LINGER
-        )
-
-    def _receive_loop(self) -> None:
-        """The receiver thread: holds the role whenever no receive op wants it."""
-        transport = self._transport
-        pollable = transport.pollable
-        try:
-            while True:
-                with self._cond:
-                    while self._error is None and not self._receiver_may_read(pollable):
-                        self._receiver_wake.wait(_LINGER if pollable else None)
-                    if self._error is not None:
-                        return
-                    self._role = _BACKGROUND
-                msg = None
-                try:
-                    if not pollable or transport.poll(None, self._wake_r):
-                        msg = self._read_message(transport)
-                        if self._listener is not None:
-                            self._dispatch(transport, msg)
-                            msg = None
-                    else:
-                        self._drain_wake_pipe()
-                finally:
-                    with self._cond:
-                        self._leave_role(msg, by_caller=False)
-        except CommError as exc:
-            self.fail(exc)
-        except Exception as exc:  # noqa: BLE001 - any failure ends the stream, loudly
-            logger.exception("receiver thread for %s failed", self.peer)
-            self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
-        finally:
-            with self._cond:
-                self._close_wake_pipe()
-
-    def _drain_wake_pipe(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def _close_wake_pipe(self) -> None:
-        if self._wake_w >= 0:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = -1
-
-    def _read_as_caller(self, remaining: float, wakeable: bool = False) -> None:
-        """Take the free role, read one message into the inbox (or hand it to the
-        listener) if one comes within ``remaining`` seconds; ``wakeable``: the wake pipe
-        ends the wait too (call holding ``_cond``; it is released meanwhile)."""
-        transport = self._transport
-        self._role = _CALLER
-        msg = None
-        self._cond.release()
-        try:
-            if transport.poll(remaining, self._wake_r if wakeable else None):
-                msg = self._read_message(transport)
-                if self._listener is not None:
-                    self._dispatch(transport, msg)
-                    msg = None
-            elif wakeable:
-                self._drain_wake_pipe()
-        except CommError as exc:
-            self.fail(exc)
-        except Exception as exc:  # noqa: BLE001 - a half-read message breaks the stream
-            logger.exception("receiving from %s failed", self.peer)
-            self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
-        finally:
-            self._cond.acquire()
-            self._leave_role(msg, by_caller=True)
-
-    def _ask_for_role(self) -> None:
-        """Wake the receiver thread out of its poll so it leaves the role (holding ``_cond``)."""
-        self._wanting += 1
-        try:
-            os.write(self._wake_w, b"w")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
-
     # -- receiving: receive ops ---------------------------------------------------------------
 
     def take_ticket(self) -> int:
@@ -377,7 +225,7 @@ class Connection:
         self,
         ticket: int,
         timeout: float,
-        handle: Callable[[_Incoming], tuple[bool, Any]],
+        handle: Callable[[Incoming], tuple[bool, Any]],
         what: str,
     ) -> Any:
         """Serve receive ``ticket``: wait for its turn and a message, then ``handle`` it.
@@ -411,7 +259,7 @@ class Connection:
                         if self._role is None:
                             self._read_as_caller(remaining)
                             continue
-                        if self._role == _BACKGROUND and not asked:
+                        if self._role == ROLE_RECEIVER_THREAD and not asked:
                             self._ask_for_role()
                             asked = True
                     self._cond.wait(remaining)
@@ -434,13 +282,13 @@ class Connection:
         return result
 
     def read_deferred(
-        self, msg: _Incoming, buffers: list[torch.Tensor], timeout: float, what: str
+        self, msg: Incoming, buffers: list[torch.Tensor], timeout: float, what: str
     ) -> list[torch.Tensor]:
         """Read the stalled payload of ``msg`` (taken by this receive op) into ``buffers``."""
         with self._cond:
-            if self._role != _STALLED:
+            if self._role != ROLE_STALLED:
                 raise AssertionError(f"{what}: the stream is not stalled on this message")
-            self._role = _CLAIMANT
+            self._role = ROLE_CLAIMANT
         try:
             self._read_payload(self.wait_ready(timeout), buffers, timeout)
         finally:
@@ -449,106 +297,10 @@ class Connection:
         msg.tensors = buffers
         return buffers
 
-    def _read_payload(self, transport: Transport, buffers: list[torch.Tensor], timeout: float) -> None:
-        """Read a deferred payload (the role holder); a failure breaks the stream, so it
-        fails the connection."""
-        try:
-            if buffers and buffers[0].is_cuda:
-                self._nccl_transport(buffers[0].device, timeout).recv_into(buffers, timeout)
-            else:
-                # The payload follows its frame; only a dead peer stops it (seen at once).
-                transport.recv_into([codec.as_bytes(b) for b in buffers if b.numel()], None)
-        except CommError as exc:
-            self.fail(exc)
-            raise
-
-    # -- listening: messages handed to a callback instead of receive ops -------------------
-
-    def listen(
-        self, on_message: Callable[[Any], None], on_error: Callable[[CommError], None]
-    ) -> None:
-        """Hand every message from now on, decoded, to ``on_message`` on the thread that
-        read it (the receiver thread, or a :meth:`pump` caller), in order; receive ops
-        are then refused. ``on_error`` is called once when the connection fails."""
-        with self._cond:
-            if self._listener is not None or self._inbox or self._next_ticket:
-                raise RuntimeError(f"{self.peer}: the connection is already in use")
-            self._listener = (on_message, on_error)
-            error = self._error
-        if error is not None:
-            on_error(error)
-
-    def _dispatch(self, transport: Transport, msg: _Incoming) -> None:
-        """Complete ``msg`` and hand it to the listener (the role holder, no lock held)."""
-        if msg.deferred:  # read it now: on CPU, or this thread's CUDA device
-            msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
-            self._read_payload(transport, msg.tensors, 600.0)
-        try:
-            obj = codec.decode(msg.header, msg.tensors)
-        except CodecError:
-            logger.exception("a message from %s cannot be decoded; dropped", self.peer)
-            return
-        try:
-            self._listener[0](obj)  # type: ignore[index]
-        except Exception:  # noqa: BLE001 - the listener's failure must not end the stream
-            logger.exception("the listener of %s failed on a message", self.peer)
-
-    def pump(
-        self, fut: concurrent.futures.Future, timeout: float, hand_back: Callable[[], bool]
-    ) -> bool:
-        """On a listened connection, read and dispatch messages on this thread until
-        ``fut`` is done (True) or ``timeout`` seconds passed (False).
-
-        Waiting this way, a blocking request's reply is read by the thread waiting for
-        it. ``hand_back()``, asked when done, says whether other replies are awaited:
-        the receiver thread then takes the role back at once.
-        """
-        deadline = time.monotonic() + timeout
-        me = threading.get_ident()
-        fut.add_done_callback(lambda _: self._wake_pumper(me))
-        asked = False
-        with self._cond:
-            try:
-                while not fut.done():
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return False
-                    transport = self._transport
-                    if self._error is None and transport is not None and transport.pollable:
-                        if self._role is None:
-                            self._pumper = me
-                            try:
-                                self._read_as_caller(remaining, wakeable=True)
-                            finally:
-                                self._pumper = None
-                            continue
-                        if self._role == _BACKGROUND and not asked:
-                            self._ask_for_role()
-                            asked = True
-                    self._cond.wait(remaining)
-                return True
-            finally:
-                if asked:
-                    self._wanting -= 1
-                if hand_back():
-                    self._last_read = 0.0
-                    self._receiver_wake.notify()
-
-    def _wake_pumper(self, pumper: int) -> None:
-        """``pumper``'s future got done on another thread: end its wait in poll."""
-        if threading.get_ident() == pumper:
-            return
-        with self._cond:
-            if self._pumper == pumper and self._wake_w >= 0:
-                try:
-                    os.write(self._wake_w, b"p")
-                except BlockingIOError:
-                    pass
-
     # -- receive ops ---------------------------------------------------------------------------
 
     def recv_object(self, ticket: int, timeout: float, device: torch.device | None) -> Any:
-        def handle(msg: _Incoming) -> tuple[bool, Any]:
+        def handle(msg: Incoming) -> tuple[bool, Any]:
             if msg.header.kind == Kind.RAW:
                 raise ProtocolMismatchError(
                     f"recv from {self.peer}: the peer sent this message with send_tensor(); "
@@ -567,7 +319,7 @@ class Connection:
         return codec.decode(msg.header, tensors)
 
     def recv_tensor_into(self, ticket: int, tensor: torch.Tensor, timeout: float) -> None:
-        def handle(msg: _Incoming) -> tuple[bool, Any]:
+        def handle(msg: Incoming) -> tuple[bool, Any]:
             header = msg.header
             if header.kind != Kind.RAW:
                 raise ProtocolMismatchError(

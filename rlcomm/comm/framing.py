@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from rlcomm.comm import codec
-from rlcomm.comm.codec import MessageHeader
+from rlcomm.comm.codec import Kind, MessageHeader
 
 #: Payloads up to this many bytes (all tensors of a message together) ride in the frame.
 INLINE_BYTES = 4000
@@ -56,9 +56,13 @@ def unpack(frame: bytes) -> tuple[MessageHeader, bytes]:
     return header, frame[start + hlen : start + hlen + header.inline]
 
 
-def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor]:
-    """Rebuild a message's CPU tensors from its inline bytes."""
-    tensors, offset = [], 0
+def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor | bytes]:
+    """Rebuild a message's CPU tensors from its inline bytes (an ``OBJECT`` message's
+    one "tensor", its pickle, stays ``bytes``: :func:`codec.decode` unpickles it)."""
+    if header.kind == Kind.OBJECT:
+        return [inline]
+    tensors: list[torch.Tensor | bytes] = []
+    offset = 0
     for meta in header.tensors:
         n = meta.nbytes
         if n:

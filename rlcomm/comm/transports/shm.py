@@ -13,9 +13,12 @@ The transport is pollable: a receiver may wait for the next frame (:meth:`poll`)
 wake-up file descriptor beside the socket, and whichever thread holds the receiving role
 then reads it, so a waiting caller reads its own message without a thread hop.
 
-Notifications and file descriptors travel over a pair of ``AF_UNIX`` ``SOCK_SEQPACKET``
-sockets (one per direction) bound to abstract names: a one-byte token after every send,
-a token back when the sender waits for ring space, and each new memfd (SCM_RIGHTS).
+A receiver waiting for data first spins a moment (yielding the CPU), then sets a
+*sleeping* flag in the ring and sleeps on a socket. Notifications and file descriptors
+travel over a pair of ``AF_UNIX`` ``SOCK_SEQPACKET`` sockets (one per direction) bound to
+abstract names: a one-byte token after a send while the receiver's sleeping flag is set
+(a busy or spinning receiver costs the sender no syscall), a token back when the sender
+waits for ring space, and each new memfd (SCM_RIGHTS).
 Nothing is ever named in ``/dev/shm``, so the kernel frees every byte when a process
 ends, crashes included. A closed socket is how a peer's death is seen.
 
@@ -127,7 +130,7 @@ class ShmTransport(Transport):
         for sock in (self._out_sock, self._in_sock):
             sock.settimeout(None)
         self._pollers: dict[tuple[int, int | None], select.poll] = {}
-        self._spin = SPIN_SECONDS  # current spin of poll (see there)
+        self._spin = SPIN_SECONDS  # current spin of a wait for data (see _spin_for_data)
         self._segments: list[_Segment] = []  # outgoing pool
         self._pool_bytes = 0
         self._peer_segments: dict[int, _Segment] = {}  # incoming, mapped on first sight
@@ -191,8 +194,29 @@ class ShmTransport(Transport):
         if self._out.words[_SLEEPING // 8]:
             self._notify(self._out_sock)
 
+    def _spin_for_data(self, deadline: float | None) -> bool:
+        """Check the ring for a moment, yielding the CPU between looks; True if data came.
+
+        A reply often comes within microseconds, and spinning beats sleeping and being
+        woken (tens of microseconds and two syscalls). The spin adapts: it doubles after
+        data came while spinning and halves (down to an eighth) after it did not, so a
+        quiet stream wastes little.
+        """
+        if self._spin <= 0:
+            return False
+        now = time.monotonic()
+        end = now + self._spin if deadline is None else min(now + self._spin, deadline)
+        while self._available() == 0 and time.monotonic() < end:
+            os.sched_yield()
+        if self._available():
+            self._spin = min(SPIN_SECONDS, self._spin * 2)
+            return True
+        self._spin = max(SPIN_SECONDS / 8, self._spin / 2)
+        return False
+
     def _sleep_until_data(self, deadline: float | None, wake_fd: int | None = None) -> bool:
-        """Sleep until incoming data is there (True), or ``wake_fd`` / the deadline (False).
+        """Wait until incoming data is there (True), or ``wake_fd`` / the deadline (False):
+        spin a moment, then sleep.
 
         The sleeping flag tells the sender to send a token. x86 may let the sender read
         the flag before its data is visible here while this side reads the ring before
@@ -200,6 +224,8 @@ class ShmTransport(Transport):
         therefore :data:`_RECHECK` short; after it the flag is surely visible to the
         sender, and data that raced with it is visible here.
         """
+        if self._spin_for_data(deadline):
+            return True
         words = self._in.words
         poller = self._poller(self._in_sock, wake_fd)
         sock_fd = self._in_sock.fileno()
@@ -427,20 +453,7 @@ class ShmTransport(Transport):
     def poll(self, timeout: float | None, wake_fd: int | None = None) -> bool:
         if self._closed:
             raise self._lost("shm recv")
-        now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        if self._available() == 0 and self._spin > 0:
-            # A reply often comes within microseconds: yielding the CPU in a loop for a
-            # moment beats sleeping and being woken (tens of microseconds, two syscalls).
-            # The spin adapts: it doubles after data came while spinning, and halves
-            # (down to a floor) after it had to sleep, so idle streams waste little.
-            spin_end = now + self._spin if deadline is None else min(now + self._spin, deadline)
-            while self._available() == 0 and time.monotonic() < spin_end:
-                os.sched_yield()
-            if self._available():
-                self._spin = min(SPIN_SECONDS, self._spin * 2)
-            else:
-                self._spin = max(SPIN_SECONDS / 8, self._spin / 2)
+        deadline = None if timeout is None else time.monotonic() + timeout
         return self._available() > 0 or self._sleep_until_data(deadline, wake_fd)
 
     def _frame_in_place(self) -> bytes | None:

@@ -1,0 +1,302 @@
+"""Who reads a connection's stream: the *receiving role*, the receiver thread, pumps.
+
+One thread at a time holds the receiving role and reads the next message from the
+transport. By default the connection's *receiver* thread holds it, so a peer's send
+never waits for this worker's code to call ``recv``: messages go to the inbox. On a
+pollable transport (shared memory) a receive op that finds the inbox empty takes the
+role itself (waking the receiver thread out of its poll through a pipe if needed) and
+reads its own message, which saves a thread hop per message; the receiver thread takes
+the role back once no op has read for :data:`_LINGER` seconds.
+
+CPU payloads are read eagerly into fresh tensors. A ``send_tensor`` payload (read in
+place into the caller's buffer) or a CUDA payload (read on the caller's device) *stalls*
+the stream until the receive op that takes the message reads the payload itself.
+
+A *listened* connection (:meth:`StreamReader.listen`) hands every message, decoded, to a
+callback on the thread that read it instead; a thread waiting for a reply reads the
+stream itself with :meth:`StreamReader.pump`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlcomm.comm import codec, framing
+from rlcomm.comm.codec import Kind, MessageHeader
+from rlcomm.comm.transports.base import Transport
+from rlcomm.comm.transports.nccl import NcclTransport
+from rlcomm.errors import CodecError, CommError, PeerLostError
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the receiver thread leaves the receiving role to receive ops after one read.
+_LINGER = 0.005
+#: Holders of the receiving role (``None``: nobody; ``ROLE_STALLED``: a deferred payload is
+#: next in the stream and waits for the receive op that takes its message).
+ROLE_RECEIVER_THREAD = "receiver thread"
+ROLE_CALLER = "caller"  # a receive op or a pump
+ROLE_STALLED = "stalled"
+ROLE_CLAIMANT = "claimant"  # the receive op reading a stalled payload
+
+
+class Incoming:
+    """A received message; a deferred one still has its payload in the stream."""
+
+    def __init__(self, header: MessageHeader, inline: bytes):
+        self.header = header
+        self.inline = inline
+        self.tensors: list[torch.Tensor] | None = None
+        self.deferred = False
+
+
+class StreamReader:
+    """The receiving half of a :class:`~rlcomm.comm.connection.Connection` (see the
+    module docstring). The connection supplies ``peer``, ``_transport``, ``_error``,
+    :meth:`fail` and :meth:`_nccl_transport`; all state here is guarded by ``_cond``.
+    """
+
+    peer: str
+    _transport: Transport | None
+    _error: CommError | None
+
+    def __init__(self) -> None:
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # guards the inbox, tickets and the role
+        # The receiver thread waits on its own condition (same lock), so that handing
+        # messages to receive ops does not wake it each time.
+        self._receiver_wake = threading.Condition(lock)
+        self._inbox: deque[Incoming] = deque()
+        self._role: str | None = None  # who may read from the transport
+        self._wanting = 0  # receive ops waiting for the receiver thread to leave the role
+        self._last_read = 0.0  # when a receive op last left the role
+        self._listener: tuple[Callable[[Any], None], Callable[[CommError], None]] | None = None
+        self._pumper: int | None = None  # the thread id of a pump() holding the role
+        self._wake_r, self._wake_w = os.pipe()  # wakes the role holder out of poll
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def fail(self, error: CommError) -> None:
+        raise NotImplementedError
+
+    def _nccl_transport(self, device: torch.device, timeout: float) -> NcclTransport:
+        raise NotImplementedError
+
+    # -- the role and the receiver thread ------------------------------------------------------
+
+    def _read_message(self, transport: Transport) -> Incoming:
+        """Read the next message; with a deferred payload, only its frame."""
+        msg = Incoming(*framing.unpack(transport.recv_frame(None)))
+        header = msg.header
+        metas = header.tensors
+        if header.inline or not metas:
+            if header.kind != Kind.RAW:
+                msg.tensors = framing.split_inline(header, msg.inline)
+        elif header.kind != Kind.RAW and not metas[0].device.startswith("cuda"):
+            payload = transport.recv_new([m.nbytes for m in metas if m.nbytes], None)
+            msg.tensors = framing.tensors_from_payload(header, payload)
+        else:
+            msg.deferred = True
+        return msg
+
+    def _leave_role(self, msg: Incoming | None, by_caller: bool) -> None:
+        """Queue what the role holder read and free the role (call holding ``_cond``)."""
+        if msg is not None:
+            self._inbox.append(msg)
+        stall_ends = self._role == ROLE_CLAIMANT
+        self._role = ROLE_STALLED if msg is not None and msg.deferred else None
+        if by_caller:
+            self._last_read = time.monotonic()
+        self._cond.notify_all()
+        if stall_ends:
+            self._receiver_wake.notify()
+
+    def _receiver_may_read(self, pollable: bool) -> bool:
+        if self._role is not None:
+            return False
+        return not pollable or (
+            self._wanting == 0 and time.monotonic() - self._last_read >= _LINGER
+        )
+
+    def _receive_loop(self) -> None:
+        """The receiver thread: holds the role whenever no receive op wants it."""
+        transport = self._transport
+        pollable = transport.pollable
+        try:
+            while True:
+                with self._cond:
+                    while self._error is None and not self._receiver_may_read(pollable):
+                        self._receiver_wake.wait(_LINGER if pollable else None)
+                    if self._error is not None:
+                        return
+                    self._role = ROLE_RECEIVER_THREAD
+                msg = None
+                try:
+                    if not pollable or transport.poll(None, self._wake_r):
+                        msg = self._read_message(transport)
+                        if self._listener is not None:
+                            self._dispatch(transport, msg)
+                            msg = None
+                    else:
+                        self._drain_wake_pipe()
+                finally:
+                    with self._cond:
+                        self._leave_role(msg, by_caller=False)
+        except CommError as exc:
+            self.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - any failure ends the stream, loudly
+            logger.exception("receiver thread for %s failed", self.peer)
+            self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
+        finally:
+            with self._cond:
+                self._close_wake_pipe()
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _close_wake_pipe(self) -> None:
+        if self._wake_w >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
+
+    def _read_as_caller(self, remaining: float, wakeable: bool = False) -> None:
+        """Take the free role, read one message into the inbox (or hand it to the
+        listener) if one comes within ``remaining`` seconds; ``wakeable``: the wake pipe
+        ends the wait too (call holding ``_cond``; it is released meanwhile)."""
+        transport = self._transport
+        self._role = ROLE_CALLER
+        msg = None
+        self._cond.release()
+        try:
+            if transport.poll(remaining, self._wake_r if wakeable else None):
+                msg = self._read_message(transport)
+                if self._listener is not None:
+                    self._dispatch(transport, msg)
+                    msg = None
+            elif wakeable:
+                self._drain_wake_pipe()
+        except CommError as exc:
+            self.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - a half-read message breaks the stream
+            logger.exception("receiving from %s failed", self.peer)
+            self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
+        finally:
+            self._cond.acquire()
+            self._leave_role(msg, by_caller=True)
+
+    def _ask_for_role(self) -> None:
+        """Wake the receiver thread out of its poll so it leaves the role (holding ``_cond``)."""
+        self._wanting += 1
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def _read_payload(self, transport: Transport, buffers: list[torch.Tensor], timeout: float) -> None:
+        """Read a deferred payload (the role holder); a failure breaks the stream, so it
+        fails the connection."""
+        try:
+            if buffers and buffers[0].is_cuda:
+                self._nccl_transport(buffers[0].device, timeout).recv_into(buffers, timeout)
+            else:
+                # The payload follows its frame; only a dead peer stops it (seen at once).
+                transport.recv_into([codec.as_bytes(b) for b in buffers if b.numel()], None)
+        except CommError as exc:
+            self.fail(exc)
+            raise
+
+    # -- listening: messages handed to a callback instead of receive ops -------------------
+
+    def listen(
+        self, on_message: Callable[[Any], None], on_error: Callable[[CommError], None]
+    ) -> None:
+        """Hand every message from now on, decoded, to ``on_message`` on the thread that
+        read it (the receiver thread, or a :meth:`pump` caller), in order; receive ops
+        are then refused. ``on_error`` is called once when the connection fails."""
+        with self._cond:
+            if self._listener is not None or self._inbox or self._next_ticket:
+                raise RuntimeError(f"{self.peer}: the connection is already in use")
+            self._listener = (on_message, on_error)
+            error = self._error
+        if error is not None:
+            on_error(error)
+
+    def _dispatch(self, transport: Transport, msg: Incoming) -> None:
+        """Complete ``msg`` and hand it to the listener (the role holder, no lock held)."""
+        if msg.deferred:  # read it now: on CPU, or this thread's CUDA device
+            msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
+            self._read_payload(transport, msg.tensors, 600.0)
+        try:
+            obj = codec.decode(msg.header, msg.tensors)
+        except CodecError:
+            logger.exception("a message from %s cannot be decoded; dropped", self.peer)
+            return
+        try:
+            self._listener[0](obj)  # type: ignore[index]
+        except Exception:  # noqa: BLE001 - the listener's failure must not end the stream
+            logger.exception("the listener of %s failed on a message", self.peer)
+
+    def pump(
+        self, fut: concurrent.futures.Future, timeout: float, hand_back: Callable[[], bool]
+    ) -> bool:
+        """On a listened connection, read and dispatch messages on this thread until
+        ``fut`` is done (True) or ``timeout`` seconds passed (False).
+
+        Waiting this way, a blocking request's reply is read by the thread waiting for
+        it. ``hand_back()``, asked when done, says whether other replies are awaited:
+        the receiver thread then takes the role back at once.
+        """
+        deadline = time.monotonic() + timeout
+        me = threading.get_ident()
+        fut.add_done_callback(lambda _: self._wake_pumper(me))
+        asked = False
+        with self._cond:
+            try:
+                while not fut.done():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    transport = self._transport
+                    if self._error is None and transport is not None and transport.pollable:
+                        if self._role is None:
+                            self._pumper = me
+                            try:
+                                self._read_as_caller(remaining, wakeable=True)
+                            finally:
+                                self._pumper = None
+                            continue
+                        if self._role == ROLE_RECEIVER_THREAD and not asked:
+                            self._ask_for_role()
+                            asked = True
+                    self._cond.wait(remaining)
+                return True
+            finally:
+                if asked:
+                    self._wanting -= 1
+                if hand_back():
+                    self._last_read = 0.0
+                    self._receiver_wake.notify()
+
+    def _wake_pumper(self, pumper: int) -> None:
+        """``pumper``'s future got done on another thread: end its wait in poll."""
+        if threading.get_ident() == pumper:
+            return
+        with self._cond:
+            if self._pumper == pumper and self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"p")
+                except BlockingIOError:
+                    pass
