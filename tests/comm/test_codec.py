@@ -588,3 +588,25 @@ def test_cuda_as_bytes_and_empty_like_meta():
     buf = empty_like_meta(TensorMeta("bfloat16", (2, 3), "cuda"))
     assert buf.device.type == "cuda" and as_bytes(buf).device == buf.device
     assert as_bytes(buf).numel() == 12
+
+
+class _EncodesWhilePickled:
+    """Its pickling encodes another object: the codec's per-thread pickler is re-entered."""
+
+    def __reduce__(self):
+        header, tensors = codec.encode({"inner": object.__new__(_Plain)})
+        return (str, (f"inner-{header.kind}-{len(tensors)}",))
+
+
+class _Plain:
+    pass
+
+
+def test_pickling_reentered_from_a_reduce_and_reused_across_messages():
+    header, tensors = codec.encode([_EncodesWhilePickled(), 1])
+    assert codec.decode(header, tensors)[0].startswith("inner-")
+    # The reused pickler carries nothing from one message to the next.
+    first = codec.encode({"a": [1, 2]})
+    second = codec.encode({"a": [1, 2]})
+    assert first[1][0].numpy().tobytes() == second[1][0].numpy().tobytes()
+    assert codec.decode(*second) == {"a": [1, 2]}
