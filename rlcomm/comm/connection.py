@@ -28,7 +28,6 @@ from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import Kind, MessageHeader
 from rlcomm.comm.reading import (
     ROLE_CLAIMANT,
-    ROLE_RECEIVER_THREAD,
     ROLE_STALLED,
     Incoming,
     StreamReader,
@@ -255,14 +254,10 @@ class Connection(StreamReader):
                         raise CommTimeoutError(
                             f"{what} from {self.peer}: nothing arrived within {timeout}s"
                         )
-                    if my_turn and self._transport is not None and self._transport.pollable:
-                        if self._role is None:
-                            self._read_as_caller(remaining)
-                            continue
-                        if self._role == ROLE_RECEIVER_THREAD and not asked:
-                            self._ask_for_role()
-                            asked = True
-                    self._cond.wait(remaining)
+                    if my_turn:
+                        asked = self._wait_for_message(remaining, asked)
+                    else:
+                        self._cond.wait(remaining)
                 msg = self._inbox[0]
                 consume, result = handle(msg)
                 if consume:

@@ -197,6 +197,26 @@ class StreamReader:
             self._cond.acquire()
             self._leave_role(msg, by_caller=True)
 
+    def _wait_for_message(self, remaining: float, asked: bool, pumper: int | None = None) -> bool:
+        """One wait of a thread that wants the next message (holding ``_cond``): read it
+        itself if the role is free, else ask the receiver thread to leave the role (once)
+        and wait to be notified. ``pumper``: the thread id of a waiting :meth:`pump`,
+        whose wait in poll the wake pipe may end. Returns whether it has asked."""
+        transport = self._transport
+        if self._error is None and transport is not None and transport.pollable:
+            if self._role is None:
+                self._pumper = pumper
+                try:
+                    self._read_as_caller(remaining, wakeable=pumper is not None)
+                finally:
+                    self._pumper = None
+                return asked
+            if self._role == ROLE_RECEIVER_THREAD and not asked:
+                self._ask_for_role()
+                asked = True
+        self._cond.wait(remaining)
+        return asked
+
     def _ask_for_role(self) -> None:
         """Wake the receiver thread out of its poll so it leaves the role (holding ``_cond``)."""
         self._wanting += 1
@@ -269,19 +289,7 @@ class StreamReader:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return False
-                    transport = self._transport
-                    if self._error is None and transport is not None and transport.pollable:
-                        if self._role is None:
-                            self._pumper = me
-                            try:
-                                self._read_as_caller(remaining, wakeable=True)
-                            finally:
-                                self._pumper = None
-                            continue
-                        if self._role == ROLE_RECEIVER_THREAD and not asked:
-                            self._ask_for_role()
-                            asked = True
-                    self._cond.wait(remaining)
+                    asked = self._wait_for_message(remaining, asked, pumper=me)
                 return True
             finally:
                 if asked:
