@@ -116,7 +116,9 @@ class StreamReader:
         if by_caller:
             self._last_read = time.monotonic()
         self._cond.notify_all()
-        if stall_ends:
+        if stall_ends and not self._transport.pollable:
+            # A receiver thread blocked on its turn reads on now; on a pollable
+            # transport it looks again within _LINGER anyway, so no wake-up is owed.
             self._receiver_wake.notify()
 
     def _receiver_may_read(self, pollable: bool) -> bool:
