@@ -1,0 +1,186 @@
+"""The signalling beside the shared memory: two ``AF_UNIX`` ``SOCK_SEQPACKET`` sockets.
+
+Per connection, ``out`` carries this side's wake-up tokens and new segment fds to the
+peer (and the peer's ring-space tokens back); ``inn`` the same the other way. They are
+bound to an abstract name (nothing in the file system) that rank 0 publishes in the
+rendezvous store, and each ring's memfd is passed over them once (SCM_RIGHTS). A closed
+socket is how a peer's death is seen.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+import time
+import uuid
+
+import torch.distributed as dist
+
+from rlcomm.errors import CommTimeoutError, PeerLostError
+
+_TOKEN = b"t"
+_FD_BYTES = 4  # a C int
+_FD_SPACE = socket.CMSG_SPACE(_FD_BYTES)  # room for one file descriptor per message
+_SEGMENT = struct.Struct("<IQ")  # segment id, size: the data of an fd message after b"f"
+
+
+def _seqpacket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def _fds_of(ancillary: list) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % _FD_BYTES
+            fds.extend(struct.unpack(f"{usable // _FD_BYTES}i", data[:usable]))
+    return fds
+
+
+class SignalSockets:
+    """The two sockets of one shared-memory connection (see the module docstring).
+
+    Args:
+        out: to the peer (tokens after data, segment fds).
+        inn: from the peer.
+        peer: how error messages name the other end.
+    """
+
+    def __init__(self, out: socket.socket, inn: socket.socket, peer: str):
+        self.out, self.inn, self._peer = out, inn, peer
+        for sock in (out, inn):
+            sock.settimeout(None)
+        self._pollers: dict[tuple[int, int | None], select.poll] = {}
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    @classmethod
+    def rendezvous(
+        cls, store: dist.Store, rank: int, out_fd: int, deadline: float, peer: str
+    ) -> tuple[SignalSockets, int]:
+        """Connect the pair (rank 0 listens) and swap ring memfds: ``out_fd`` goes to the
+        peer; returns the sockets and the peer's ring fd (the caller closes it)."""
+        try:
+            if rank == 0:
+                return cls._listen(store, out_fd, deadline, peer)
+            return cls._connect(store, out_fd, deadline, peer)
+        except (TimeoutError, OSError, RuntimeError) as exc:
+            raise CommTimeoutError(f"shm rendezvous with {peer} failed: {exc}") from exc
+
+    @classmethod
+    def _listen(cls, store: dist.Store, out_fd: int, deadline: float, peer: str):
+        server = _seqpacket()
+        name = f"\0rlcomm-shm-{uuid.uuid4().hex}"
+        server.bind(name)
+        server.listen(2)
+        store.set("shm/addr", name.encode())
+        socks: dict[bytes, socket.socket] = {}
+        in_fd = -1
+        try:
+            while len(socks) < 2:
+                server.settimeout(max(0.01, deadline - time.monotonic()))
+                conn, _ = server.accept()
+                conn.settimeout(max(0.01, deadline - time.monotonic()))
+                role, fds, _, _ = socket.recv_fds(conn, 16, 1)
+                socks[role] = conn
+                if role == b"peer->me":  # carries the peer's ring fd
+                    in_fd = fds[0]
+            socket.send_fds(socks[b"me->peer"], [b"ring"], [out_fd])
+        finally:
+            server.close()
+        return cls(socks[b"me->peer"], socks[b"peer->me"], peer), in_fd
+
+    @classmethod
+    def _connect(cls, store: dist.Store, out_fd: int, deadline: float, peer: str):
+        store.wait(["shm/addr"])
+        name = store.get("shm/addr").decode()
+        # Roles are named from the listener's side.
+        mine_out = _seqpacket()
+        mine_out.settimeout(max(0.01, deadline - time.monotonic()))
+        mine_out.connect(name)
+        socket.send_fds(mine_out, [b"peer->me"], [out_fd])
+        mine_in = _seqpacket()
+        mine_in.settimeout(max(0.01, deadline - time.monotonic()))
+        mine_in.connect(name)
+        mine_in.sendall(b"me->peer")
+        _, fds, _, _ = socket.recv_fds(mine_in, 16, 1)
+        return cls(mine_out, mine_in, peer), fds[0]
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def lost(self, what: str) -> PeerLostError:
+        return PeerLostError(f"{what} with {self._peer} failed: the peer process is gone")
+
+    def notify(self, sock: socket.socket) -> None:
+        """Send a token on ``sock`` (dropped when the peer has plenty unread already)."""
+        try:
+            sock.send(_TOKEN, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            raise self.lost("shm notify") from exc
+
+    def send_fd(self, seg_id: int, size: int, fd: int, deadline: float) -> None:
+        """Pass a new segment's memfd to the peer."""
+        try:
+            self.out.settimeout(max(0.01, deadline - time.monotonic()))
+            socket.send_fds(self.out, [b"f" + _SEGMENT.pack(seg_id, size)], [fd])
+        except TimeoutError as exc:
+            raise CommTimeoutError(f"shm send to {self._peer} timed out") from exc
+        except OSError as exc:
+            raise self.lost("shm send") from exc
+        finally:
+            self.out.settimeout(None)
+
+    def poller(self, sock: socket.socket, wake_fd: int | None = None) -> select.poll:
+        """A cached poll object on ``sock`` (and ``wake_fd``)."""
+        key = (sock.fileno(), wake_fd)
+        poller = self._pollers.get(key)
+        if poller is None:
+            poller = select.poll()  # not select.select: Ray processes have fds past 1024
+            for fd in key:
+                if fd is not None:
+                    poller.register(fd, select.POLLIN)
+            self._pollers[key] = poller
+        return poller
+
+    def read(
+        self, sock: socket.socket, block: bool, deadline: float | None, what: str
+    ) -> tuple[bool, tuple[int, int, int] | None]:
+        """Read one message (a token or a segment fd) from ``sock``.
+
+        Returns:
+            Whether a message was there, and ``(segment id, size, fd)`` when it was a
+            new segment (the caller maps and closes the fd).
+        """
+        if block:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CommTimeoutError(f"{what} with {self._peer} timed out")
+            if not self.poller(sock).poll(None if remaining is None else remaining * 1000):
+                raise CommTimeoutError(f"{what} with {self._peer} timed out")
+        try:
+            data, ancillary, _, _ = sock.recvmsg(64, _FD_SPACE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False, None
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return False, None
+            raise self.lost(what) from exc
+        if not data:
+            raise self.lost(what)
+        fds = _fds_of(ancillary) if ancillary else None
+        if not fds:
+            return True, None
+        seg_id, size = _SEGMENT.unpack(data[1 : 1 + _SEGMENT.size])
+        return True, (seg_id, size, fds[0])
+
+    def close(self) -> None:
+        for sock in (self.out, self.inn):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
