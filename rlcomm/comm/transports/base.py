@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from rlcomm.comm.transports import pool
+
 #: Size of the fixed frames of transports that need equal-sized messages (Gloo).
 FRAME_BYTES = 4096
 _TOTAL = struct.Struct("<I")
@@ -97,9 +99,10 @@ class Transport(ABC):
         """Receive payloads of ``sizes`` bytes into new uint8 tensors.
 
         Transports that can hand out received memory without a copy (shared memory)
-        override this; the default allocates and calls :meth:`recv_into`.
+        override this; the default receives into pooled buffers (:mod:`.pool`) with
+        :meth:`recv_into`.
         """
-        tensors = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        tensors = [pool.take(n) for n in sizes]
         self.recv_into(tensors, timeout)
         return tensors
 
