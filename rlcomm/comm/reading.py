@@ -61,12 +61,14 @@ class Incoming:
 class StreamReader:
     """The receiving half of a :class:`~rlcomm.comm.connection.Connection` (see the
     module docstring). The connection supplies ``peer``, ``_transport``, ``_error``,
-    :meth:`fail` and :meth:`_nccl_transport`; all state here is guarded by ``_cond``.
+    ``_next_ticket`` (receive ops taken so far), :meth:`fail` and
+    :meth:`_nccl_transport`; all state here is guarded by ``_cond``.
     """
 
     peer: str
     _transport: Transport | None
     _error: CommError | None
+    _next_ticket: int
 
     def __init__(self) -> None:
         lock = threading.RLock()

@@ -366,3 +366,17 @@ def test_a_dead_consumer_leaves_no_waiter_behind(cluster, shared):
             ray.get(waiting.refs[0], timeout=10)
     finally:
         victim.shutdown()
+
+
+def test_a_name_shut_down_and_created_again_serves_the_same_clients(cluster, consumers):
+    """The new channel worker has the address of the old one: this process's link to the
+    old worker must give way to one to the new worker."""
+    for round_ in range(3):
+        channel = Channel.create("ch_again", cluster=cluster)
+        channel.put(("driver", round_), key="k", timeout=10)
+        assert channel.get(key="k", timeout=10) == ("driver", round_)
+        channel.put(("worker", round_), key="w", timeout=10)
+        assert consumers.execute_on(0).get_n(channel, 1, "w").wait(timeout=60)[0] == [
+            ("worker", round_)
+        ]
+        channel.shutdown()
