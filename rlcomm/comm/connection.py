@@ -90,6 +90,9 @@ class Connection(StreamReader):
         threading.Thread(target=self._receive_loop, name=f"rlcomm-recv-{self.peer}",
                          daemon=True).start()
         self._ready.set()
+        with self._cond:
+            if self._selector is not None:
+                self._selector.wake()
 
     def fail(self, error: CommError) -> None:
         with self._cond:
@@ -99,7 +102,7 @@ class Connection(StreamReader):
             if self._transport is None:
                 self._close_wake_pipe()  # no receiver thread will
             self._cond.notify_all()
-            self._receiver_wake.notify()
+            self._wake_reader()
         self._ready.set()
         if self._listener is not None:
             self._listener[1](error)

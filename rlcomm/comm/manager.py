@@ -170,11 +170,15 @@ class CommManager:
         with self._lock:
             conn = self._conns.get(peer)
             if conn is not None:
-                return conn
+                if conn.error is None:
+                    return conn
+                self._endpoints.pop(peer, None)  # the peer may be a new process now
         ep = self._endpoint(peer)
         with self._lock:
             conn = self._conns.get(peer)
-            if conn is not None:
+            # A failed connection is forgotten right after its error is raised; one that
+            # is still here is as good as gone (a reconnecting caller gets a new one).
+            if conn is not None and conn.error is None:
                 return conn
             conn = self._new_connection(peer, options)
         self._handshakes.submit(self._initiate, conn, peer, ep, options)

@@ -82,6 +82,7 @@ class StreamReader:
         self._last_read = 0.0  # when a receive op last left the role
         self._listener: tuple[Callable[[Any], None], Callable[[CommError], None]] | None = None
         self._pumper: int | None = None  # the thread id of a pump() holding the role
+        self._selector: Any = None  # a Selector that reads instead of the receiver thread
         self._wake_r, self._wake_w = os.pipe()  # wakes the role holder out of poll
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -124,6 +125,7 @@ class StreamReader:
             self._receiver_wake.notify()
 
     def _receiver_may_read(self, pollable: bool) -> bool:
+        """Whether the reader (receiver thread or selector) may take the role now."""
         if self._role is not None:
             return False
         return not pollable or (
@@ -137,8 +139,14 @@ class StreamReader:
         try:
             while True:
                 with self._cond:
-                    while self._error is None and not self._receiver_may_read(pollable):
-                        self._receiver_wake.wait(_LINGER if pollable else None)
+                    # While a selector reads this connection, this thread only waits to be
+                    # handed the role back (or for the end).
+                    while self._error is None and (
+                        (self._selector is not None and pollable)
+                        or not self._receiver_may_read(pollable)
+                    ):
+                        selected = self._selector is not None
+                        self._receiver_wake.wait(_LINGER if pollable and not selected else None)
                     if self._error is not None:
                         return
                     self._role = ROLE_RECEIVER_THREAD
@@ -161,7 +169,14 @@ class StreamReader:
             self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
         finally:
             with self._cond:
-                self._close_wake_pipe()
+                if self._selector is None:  # else the selector polls it; it closes it
+                    self._close_wake_pipe()
+
+    def _wake_reader(self) -> None:
+        """The role may be free for the reader again: wake it (holding ``_cond``)."""
+        self._receiver_wake.notify()
+        if self._selector is not None:
+            self._selector.wake()
 
     def _drain_wake_pipe(self) -> None:
         try:
@@ -300,7 +315,7 @@ class StreamReader:
                     self._wanting -= 1
                 if hand_back():
                     self._last_read = 0.0
-                    self._receiver_wake.notify()
+                    self._wake_reader()
 
     def _wake_pumper(self, pumper: int) -> None:
         """``pumper``'s future got done on another thread: end its wait in poll."""
@@ -312,3 +327,77 @@ class StreamReader:
                     os.write(self._wake_w, b"p")
                 except BlockingIOError:
                     pass
+
+    # -- serving by a selector -------------------------------------------------------------------
+
+    def select_by(self, selector: Any) -> None:
+        """Let ``selector`` read this connection instead of its receiver thread (it keeps
+        to that once the transport is known to be pollable; else it lets go)."""
+        with self._cond:
+            self._selector = selector
+            if self._role == ROLE_RECEIVER_THREAD and self._wake_w >= 0:
+                os.write(self._wake_w, b"s")  # out of its poll: it leaves the role
+        selector.wake()
+
+    def claim_for_selector(self, selector: Any) -> Transport | bool:
+        """Take the role for ``selector`` if it may read now: the transport when taken;
+        False when not now (try again within :data:`_LINGER`); True when the selector is
+        done with this connection (it failed, or its transport cannot be polled)."""
+        with self._cond:
+            transport = self._transport
+            if self._selector is not selector:
+                return True
+            if self._error is not None:
+                self._close_wake_pipe()
+                return True
+            if transport is None or not self._receiver_may_read(True):
+                return False
+            if not transport.pollable:  # its receiver thread reads it
+                self._selector = None
+                self._receiver_wake.notify()
+                return True
+            self._role = ROLE_RECEIVER_THREAD
+            return transport
+
+    def serve_for_selector(self, transport: Transport, has_data: bool) -> bool:
+        """The selector, holding the role: read the next message if ``has_data``, then
+        leave the role if the message goes to the inbox or somebody else wants the role.
+        Returns whether it left."""
+        msg = None
+        try:
+            if has_data:
+                msg = self._read_message(transport)
+                if self._listener is not None:
+                    self._dispatch(transport, msg)
+                    msg = None
+        except CommError as exc:
+            self.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - a half-read message breaks the stream
+            logger.exception("receiving from %s failed", self.peer)
+            self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
+        with self._cond:
+            # A dispatched message leaves nothing to hand over: keep the role unless it
+            # is wanted (the selector empties the wake pipes when woken).
+            if msg is None and not self._wanting and self._error is None and (
+                self._selector is not None
+            ):
+                return False
+            self._leave_role(msg, by_caller=False)
+            return True
+
+    def release_selector(self, selector: Any, holding: bool) -> None:
+        """``selector`` (``holding`` the role or not) ends: the receiver thread reads this
+        connection again."""
+        with self._cond:
+            if self._selector is selector:
+                self._selector = None
+                if holding:
+                    self._leave_role(None, by_caller=False)
+                if self._error is not None:
+                    self._close_wake_pipe()
+                self._receiver_wake.notify()
+
+    @property
+    def wake_fd(self) -> int:
+        """The read end of the wake pipe (a reader polls it beside the transport)."""
+        return self._wake_r

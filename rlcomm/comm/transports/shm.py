@@ -14,7 +14,8 @@ wake-up file descriptor beside the socket, and whichever thread holds the receiv
 then reads it, so a waiting caller reads its own message without a thread hop.
 
 A receiver waiting for data first spins a moment (yielding the CPU), then sets a
-*sleeping* flag in the ring and sleeps on a socket. Notifications and file descriptors
+*sleeping* flag in the ring and sleeps on a socket (:mod:`~rlcomm.comm.transports.shm_wait`,
+which can also wait on many transports at once). Notifications and file descriptors
 travel over a pair of sockets (:mod:`~rlcomm.comm.transports.shm_signals`): a one-byte
 token after a send while the receiver's sleeping flag is set (a busy or spinning receiver
 costs the sender no syscall), a token back when the sender waits for ring space, and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import os
 import platform
+import select
 import socket
 import struct
 import time
@@ -58,17 +60,12 @@ from rlcomm.comm.transports.shm_memory import (
     release_segment,
 )
 from rlcomm.comm.transports.shm_signals import SignalSockets
+from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 from rlcomm.errors import CommTimeoutError, PeerLostError
 
 #: The ring's lock-free counters rely on x86-64 keeping stores in order.
 SHM_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "memfd_create")
-#: Most seconds a polling receiver checks the ring before it sleeps (``RLCOMM_SHM_SPIN_US``;
-#: 0 turns spinning off).
-SPIN_SECONDS = float(os.environ.get("RLCOMM_SHM_SPIN_US", 200)) / 1e6
 _MAX_IN_FLIGHT = int(os.environ.get("RLCOMM_SHM_MAX_IN_FLIGHT", 16))
-#: A reader's first sleep is this short (seconds): a sender that raced with the reader's
-#: sleeping flag and sent no token is seen at the next look (see ``_sleep_until_data``).
-_RECHECK = 0.001
 _RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
 _INLINE, _SEGMENT, _FRAME = 1, 2, 3
 
@@ -99,7 +96,7 @@ class ShmTransport(Transport):
         self._out_sock, self._in_sock = self._signals.out, self._signals.inn
         self._in = Ring(map_fd(in_fd, CTRL_BYTES + RING_BYTES))
         os.close(in_fd)
-        self._spin = SPIN_SECONDS  # current spin of a wait for data (see _spin_for_data)
+        self._spin = Spin()  # of this transport's own waits for data
         self._segments: list[Segment] = []  # outgoing pool
         self._pool_bytes = 0
         self._peer_segments: dict[int, Segment] = {}  # incoming, mapped on first sight
@@ -127,63 +124,6 @@ class ShmTransport(Transport):
         on its own: it is reading or spinning)."""
         if self._out.words[SLEEPING // 8]:
             self._notify(self._out_sock)
-
-    def _spin_for_data(self, deadline: float | None) -> bool:
-        """Check the ring for a moment, yielding the CPU between looks; True if data came.
-
-        A reply often comes within microseconds, and spinning beats sleeping and being
-        woken (tens of microseconds and two syscalls). The spin adapts: it doubles after
-        data came while spinning and halves (down to an eighth) after it did not, so a
-        quiet stream wastes little.
-        """
-        if self._spin <= 0:
-            return False
-        now = time.monotonic()
-        end = now + self._spin if deadline is None else min(now + self._spin, deadline)
-        while self._available() == 0 and time.monotonic() < end:
-            os.sched_yield()
-        if self._available():
-            self._spin = min(SPIN_SECONDS, self._spin * 2)
-            return True
-        self._spin = max(SPIN_SECONDS / 8, self._spin / 2)
-        return False
-
-    def _sleep_until_data(self, deadline: float | None, wake_fd: int | None = None) -> bool:
-        """Wait until incoming data is there (True), or ``wake_fd`` / the deadline (False):
-        spin a moment, then sleep.
-
-        The sleeping flag tells the sender to send a token. x86 may let the sender read
-        the flag before its data is visible here while this side reads the ring before
-        its flag is visible there, so both could miss each other: the first sleep is
-        therefore :data:`_RECHECK` short; after it the flag is surely visible to the
-        sender, and data that raced with it is visible here.
-        """
-        if self._spin_for_data(deadline):
-            return True
-        words = self._in.words
-        poller = self._signals.poller(self._in_sock, wake_fd)
-        sock_fd = self._in_sock.fileno()
-        words[SLEEPING // 8] = 1
-        try:
-            recheck = True
-            while self._available() == 0:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                wait = remaining
-                if recheck:
-                    wait = _RECHECK if remaining is None else min(remaining, _RECHECK)
-                events = poller.poll(None if wait is None else wait * 1000)
-                if not events:
-                    recheck = False
-                for fd, _ in events:
-                    if fd == sock_fd:
-                        self._read_sock(self._in_sock, False, None, "shm recv")
-                    elif fd == wake_fd:
-                        return self._available() > 0
-            return True
-        finally:
-            words[SLEEPING // 8] = 0
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -295,9 +235,40 @@ class ShmTransport(Transport):
 
     # -- receiving --------------------------------------------------------------------------
 
-    def _available(self) -> int:
+    def available(self) -> int:
+        """Bytes in the incoming ring."""
         words = self._in.words
         return int(words[HEAD // 8] - words[TAIL // 8])
+
+    # What a wait for data (:mod:`.shm_wait`) needs of the transport.
+
+    def signal_fd(self) -> int:
+        """The socket that a wake-up token (or a new segment) arrives on."""
+        return self._in_sock.fileno()
+
+    def poller(self, wake_fd: int | None) -> select.poll:
+        """A (cached) poll object on :meth:`signal_fd` and ``wake_fd``."""
+        return self._signals.poller(self._in_sock, wake_fd)
+
+    def read_signal(self) -> None:
+        """Read what arrived on :meth:`signal_fd`, if anything (a new segment is mapped)."""
+        self._read_sock(self._in_sock, False, None, "shm recv")
+
+    def set_sleeping(self, sleeping: bool) -> None:
+        """Tell the sender whether this side sleeps (then it sends a token after data)."""
+        self._in.words[SLEEPING // 8] = int(sleeping)
+
+    @property
+    def lost(self) -> bool:
+        """Whether the transport is closed or its peer is known to be gone."""
+        return self._closed
+
+    def mark_lost(self) -> None:
+        """The peer is gone: every later op raises PeerLostError."""
+        self._closed = True
+
+    def _sleep_until_data(self, deadline: float | None, wake_fd: int | None = None) -> bool:
+        return wait_for_data((self,), deadline, () if wake_fd is None else (wake_fd,), self._spin)
 
     def _read(self, dst: torch.Tensor | None, nbytes: int, deadline: float | None) -> bytes | None:
         """Copy ``nbytes`` out of the incoming ring into ``dst`` (or return them)."""
@@ -305,7 +276,7 @@ class ShmTransport(Transport):
         parts: list[bytes] = []
         done = 0
         while done < nbytes:
-            avail = self._available()
+            avail = self.available()
             if avail == 0:
                 if not self._sleep_until_data(deadline):
                     raise CommTimeoutError(f"shm recv from {self._peer} timed out")
@@ -335,7 +306,7 @@ class ShmTransport(Transport):
         if self._closed:
             raise self._lost("shm recv")
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._available() > 0 or self._sleep_until_data(deadline, wake_fd)
+        return self.available() > 0 or self._sleep_until_data(deadline, wake_fd)
 
     def _frame_in_place(self) -> bytes | None:
         """The next frame when it is all in the ring and does not wrap (the common case:

@@ -1,0 +1,155 @@
+"""``Selector``: one thread that reads many connections.
+
+By default every connection has a receiver thread of its own. A process that serves many
+peers (a channel worker with one connection per client process) would then have as many
+threads waiting, and on shared memory each waiting thread spins a moment before it
+sleeps: with few cores, spinners crowd out the threads doing the work. A selector reads
+a set of connections on one thread instead: it takes each connection's receiving role
+(as the receiver thread would, see :mod:`~rlcomm.comm.reading`), waits for data on all
+their shared-memory rings at once (one spin, one ``poll``; see
+:func:`~rlcomm.comm.transports.shm_wait.wait_for_data`), and reads whichever has a
+message, handing it to the connection's listener (or inbox).
+
+A receive op or pump that wants a selected connection's role asks for it as it would
+ask the receiver thread (the connection's wake pipe, which the selector polls too), and
+the selector takes it back once that op is done. A connection whose transport cannot be
+polled (Gloo, across nodes) stays with its receiver thread.
+
+The selector owns its thread. Handlers run on it: a handler that blocks holds up every
+connection of the selector.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+
+from rlcomm.comm.reading import _LINGER, StreamReader
+from rlcomm.comm.transports.shm import ShmTransport
+from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
+
+logger = logging.getLogger(__name__)
+
+
+class Selector:
+    """Reads the connections given to :meth:`add` on one thread (see the module docstring).
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str = "rlcomm-selector"):
+        self._lock = threading.Lock()
+        self._conns: list[StreamReader] = []
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._spin = Spin()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, conn: StreamReader) -> None:
+        """Read ``conn`` from now on (once its transport is known to be pollable)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the selector is closed")
+            self._conns.append(conn)
+        conn.select_by(self)
+
+    def wake(self) -> None:
+        """Make the thread look at its connections again (any thread may call it)."""
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass  # full of wake-ups already, or closed
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Hand every connection back to its receiver thread and end the thread."""
+        with self._lock:
+            self._closed = True
+        self.wake()
+        self._thread.join(timeout)
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        held: dict[StreamReader, ShmTransport] = {}
+        try:
+            while True:
+                with self._lock:
+                    if self._closed:
+                        return
+                    conns = list(self._conns)
+                again = self._claim(conns, held)
+                self._wait(held, again)
+                for conn, transport in list(held.items()):
+                    has_data = transport.available() > 0 or transport.lost
+                    if conn.serve_for_selector(transport, has_data):
+                        del held[conn]
+        except Exception:  # noqa: BLE001 - say so loudly, then hand everything back
+            logger.exception("selector thread failed; its connections go back to their "
+                             "receiver threads")
+        finally:
+            with self._lock:
+                self._closed = True
+                conns, self._conns = self._conns, []
+            for conn in conns:
+                conn.release_selector(self, conn in held)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _claim(self, conns: list[StreamReader], held: dict[StreamReader, ShmTransport]) -> bool:
+        """Take the roles that are free; drop connections it is done with. Returns whether
+        a role could not be taken yet (look again within the linger time)."""
+        again = False
+        done = []
+        for conn in conns:
+            if conn in held:
+                continue
+            got = conn.claim_for_selector(self)
+            if got is True:
+                done.append(conn)
+            elif got is False:
+                again = True
+            elif isinstance(got, ShmTransport):
+                held[conn] = got
+            else:  # a pollable transport of another kind: not one this selector can wait on
+                conn.release_selector(self, holding=True)
+                done.append(conn)
+        if done:
+            with self._lock:
+                self._conns = [c for c in self._conns if c not in done]
+        return again
+
+    def _wait(self, held: dict[StreamReader, ShmTransport], again: bool) -> None:
+        """Wait for data on a held connection, a wake-up, or (``again``) the linger time."""
+        deadline = time.monotonic() + _LINGER if again else None
+        if held:
+            wake_fds = [self._wake_r, *(conn.wake_fd for conn in held)]
+            if wait_for_data(list(held.values()), deadline, wake_fds, self._spin):
+                return
+        else:
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            poller.poll(_LINGER * 1000 if again else None)
+        # Woken (or the time is up): empty every wake pipe, so that a stale byte cannot
+        # end the next wait at once. A connection's wants are in its state, not its pipe.
+        for fd in (self._wake_r, *(conn.wake_fd for conn in held)):
+            _drain(fd)
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

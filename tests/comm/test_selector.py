@@ -1,0 +1,197 @@
+"""``Selector``: one thread reading many connections over real shared-memory pairs in one
+process, and the multi-transport wait under it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlcomm.comm import codec
+from rlcomm.comm.connection import Connection
+from rlcomm.comm.selector import Selector
+from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
+from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
+from rlcomm.errors import PeerLostError
+
+pytestmark = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
+
+
+def _transport_pair(stores, prefix: str) -> tuple[ShmTransport, ShmTransport]:
+    ends: dict[int, ShmTransport] = {}
+
+    def make(rank: int) -> None:
+        ends[rank] = ShmTransport(dist.PrefixStore(prefix, stores[rank]), rank, 10, f"end{1 - rank}")
+
+    t = threading.Thread(target=make, args=(1,))
+    t.start()
+    make(0)
+    t.join(timeout=10)
+    return ends[0], ends[1]
+
+
+@pytest.fixture
+def stores():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return [server, dist.TCPStore("127.0.0.1", server.port, is_master=False)]
+
+
+@pytest.fixture
+def pairs(stores):
+    """Three connected pairs: (served end, peer end)."""
+    made = []
+    for i in range(3):
+        mine, theirs = _transport_pair(stores, f"p{i}")
+        a, b = Connection(f"peer{i}"), Connection(f"server{i}")
+        a.attach(mine, stores[0], 0)
+        b.attach(theirs, stores[1], 1)
+        made.append((a, b))
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def _send(conn: Connection, obj) -> None:
+    header, tensors = codec.encode(obj)
+    conn.send_inline(header, tensors, 10)
+
+
+def _recv(conn: Connection, timeout: float = 10):
+    return conn.recv_object(conn.take_ticket(), timeout, None)
+
+
+def _wait_until(cond, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(60)
+def test_one_thread_reads_every_listened_connection_in_order(pairs):
+    selector = Selector("test-selector")
+    got: dict[int, list[int]] = {i: [] for i in range(3)}
+    threads: set[str] = set()
+
+    def on_message(i: int, obj) -> None:
+        threads.add(threading.current_thread().name)
+        got[i].append(int(obj))
+
+    try:
+        for i, (a, _) in enumerate(pairs):
+            a.listen(lambda obj, i=i: on_message(i, obj), lambda exc: None)
+            selector.add(a)
+        for n in range(300):  # interleaved, with pauses so the selector also sleeps
+            for _, b in pairs:
+                _send(b, torch.tensor([n]))
+            if n % 50 == 0:
+                time.sleep(0.01)
+        _wait_until(lambda: all(len(v) == 300 for v in got.values()))
+        assert all(v == list(range(300)) for v in got.values())
+        assert threads == {"test-selector"}
+        assert selector.connections == 3
+    finally:
+        selector.close()
+
+
+@pytest.mark.timeout(60)
+def test_receive_ops_take_a_selected_connection_and_give_it_back(pairs):
+    selector = Selector()
+    a, b = pairs[0]
+    try:
+        selector.add(a)
+        for i in range(100):  # the receive op asks the selector for the role each time
+            _send(b, i)
+            assert _recv(a) == i
+        # Nobody receives: the selector reads into the inbox, past the ring's size.
+        big = torch.ones(1 << 20, dtype=torch.uint8)
+        for _ in range(12):
+            _send(b, big)
+        _send(b, "last")
+        got = [_recv(a) for _ in range(13)]
+        assert all(torch.equal(t, big) for t in got[:-1]) and got[-1] == "last"
+    finally:
+        selector.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_peer_fails_its_connection_only(pairs):
+    selector = Selector()
+    errors: list[BaseException] = []
+    got: list[str] = []
+    try:
+        for a, _ in pairs:
+            a.listen(got.append, errors.append)
+            selector.add(a)
+        _wait_until(lambda: selector.connections == 3)
+        pairs[1][1].close()  # the peer of connection 1 goes away
+        _wait_until(lambda: len(errors) == 1)
+        assert isinstance(errors[0], PeerLostError)
+        _wait_until(lambda: selector.connections == 2)
+        _send(pairs[0][1], "still here")
+        _send(pairs[2][1], "me too")
+        _wait_until(lambda: len(got) == 2)
+        assert sorted(got) == ["me too", "still here"]
+    finally:
+        selector.close()
+
+
+@pytest.mark.timeout(60)
+def test_closing_the_selector_hands_connections_back(pairs):
+    selector = Selector()
+    got: list[int] = []
+    a, b = pairs[0]
+    a.listen(got.append, lambda exc: None)
+    selector.add(a)
+    _send(b, 1)
+    _wait_until(lambda: got == [1])
+    selector.close()
+    _send(b, 2)  # read by the connection's receiver thread now
+    _wait_until(lambda: got == [1, 2])
+    with pytest.raises(RuntimeError, match="closed"):
+        selector.add(pairs[1][0])
+
+
+@pytest.mark.timeout(60)
+def test_wait_for_data_watches_several_transports(stores):
+    pairs = [_transport_pair(stores, f"w{i}") for i in range(2)]
+    mine = [p[0] for p in pairs]
+    spin = Spin()
+    r, w = os.pipe()
+    try:
+        start = time.monotonic()
+        assert not wait_for_data(mine, time.monotonic() + 0.05, [r], spin)
+        assert time.monotonic() - start >= 0.04  # waited for the deadline
+
+        def later(fn) -> threading.Thread:
+            t = threading.Thread(target=lambda: (time.sleep(0.05), fn()))
+            t.start()
+            return t
+
+        t = later(lambda: pairs[1][1].send([torch.ones(4, dtype=torch.uint8)], 5))
+        assert wait_for_data(mine, time.monotonic() + 5, [r], spin)  # woken by the 2nd
+        t.join()
+        assert mine[1].available() > 0 and mine[0].available() == 0
+        out = torch.empty(4, dtype=torch.uint8)
+        mine[1].recv_into([out], 5)
+
+        t = later(lambda: os.write(w, b"x"))
+        assert not wait_for_data(mine, time.monotonic() + 5, [r], spin)  # the wake fd
+        t.join()
+
+        pairs[0][1].close()  # a lost peer: marked, and the wait ends for it
+        assert wait_for_data(mine, time.monotonic() + 5, [], spin)
+        assert mine[0].lost and not mine[1].lost
+        with pytest.raises(PeerLostError):
+            mine[0].recv_frame(1)
+    finally:
+        os.close(r)
+        os.close(w)
+        for a, b in pairs:
+            a.close()
+            b.close()
