@@ -10,7 +10,12 @@ thread, so messages of different caller threads never interleave.
 Receiving: who reads the stream (a waiting receive op, the receiver thread) is the
 business of :mod:`rlcomm.comm.reading`. A *consumer* thread runs the ``async_op=True``
 receives. Receives are served in call order (a ticket per call), so an async receive
-posted first gets the first message even if a blocking receive is called right after it."""
+posted first gets the first message even if a blocking receive is called right after it.
+
+CUDA payloads: the frame goes over the CPU transport, the payload over the connection's
+CUDA transport, chosen and made at its first CUDA payload (either direction): CUDA IPC
+when both ends use one physical GPU of one node, else NCCL (see
+:mod:`rlcomm.comm.transports.cuda_ipc`)."""
 
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ from rlcomm.comm.reading import (
     Incoming,
     StreamReader,
 )
+from rlcomm.comm.transports import cuda_ipc
 from rlcomm.comm.transports.base import Transport
+from rlcomm.comm.transports.cuda_ipc import CudaIpcTransport
 from rlcomm.comm.transports.nccl import NcclTransport
 from rlcomm.errors import (
     CommError,
@@ -64,8 +71,8 @@ class Connection(StreamReader):
         self._transport: Transport | None = None
         self._store: dist.Store | None = None
         self._rank = 0
-        self._nccl: NcclTransport | None = None
-        self._nccl_lock = threading.Lock()
+        self._cuda: Transport | None = None  # CUDA IPC or NCCL, made by _cuda_transport
+        self._cuda_lock = threading.Lock()
         super().__init__()
         self._next_ticket = 0
         self._serving = 0
@@ -134,6 +141,10 @@ class Connection(StreamReader):
             self._consumer.shutdown(wait=False, cancel_futures=True)
         if self._transport is not None:
             self._transport.close()
+        if isinstance(self._cuda, CudaIpcTransport):
+            # NCCL's communicator is left to its own teardown, as before: its shutdown
+            # may wait on a dead peer.
+            self._cuda.close()
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -195,17 +206,38 @@ class Connection(StreamReader):
         frame, payload = framing.pack(header, tensors)
         if tensors and tensors[0].is_cuda:
             transport.send_frame(frame, [], timeout)
-            self._nccl_transport(tensors[0].device, timeout).send(payload, timeout)
+            self._cuda_transport(tensors[0].device, timeout).send(payload, timeout)
         else:
             transport.send_frame(frame, payload, timeout)
 
-    def _nccl_transport(self, device: torch.device, timeout: float) -> NcclTransport:
-        with self._nccl_lock:
-            if self._nccl is None:
-                self._nccl = NcclTransport(
-                    dist.PrefixStore("nccl", self._store), self._rank, timeout, self.peer, device
+    def _cuda_transport(self, device: torch.device, timeout: float) -> Transport:
+        """The transport of this connection's CUDA payloads, chosen and made at the first
+        one sent or received: both ends swap the UUID of their GPU (``device``'s) and
+        take CUDA IPC when it is one GPU and the frames go over shared memory, else NCCL
+        (which refuses two ranks on one GPU).
+
+        Raises:
+            CommTimeoutError: the peer did not reach its first CUDA op within ``timeout``.
+        """
+        with self._cuda_lock:
+            if self._cuda is None:
+                store = self._store
+                mine = cuda_ipc.gpu_uuid(device)
+                theirs = cuda_ipc.exchange_gpu_uuids(store, self._rank, mine, timeout, self.peer)
+                kind = cuda_ipc.choose_cuda_transport(self.transport_name, mine, theirs)
+                logger.debug(
+                    "CUDA payloads with %s go over %s (GPU %s here, %s there)",
+                    self.peer, kind, mine, theirs,
                 )
-            return self._nccl
+                if kind == CudaIpcTransport.name:
+                    self._cuda = CudaIpcTransport(
+                        dist.PrefixStore("cuda_ipc", store), self._rank, self.peer
+                    )
+                else:
+                    self._cuda = NcclTransport(
+                        dist.PrefixStore("nccl", store), self._rank, timeout, self.peer, device
+                    )
+            return self._cuda
 
     # -- receiving: receive ops ---------------------------------------------------------------
 

@@ -33,7 +33,6 @@ import torch
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import Kind, MessageHeader
 from rlcomm.comm.transports.base import Transport
-from rlcomm.comm.transports.nccl import NcclTransport
 from rlcomm.errors import CodecError, CommError, PeerLostError
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class StreamReader:
     """The receiving half of a :class:`~rlcomm.comm.connection.Connection` (see the
     module docstring). The connection supplies ``peer``, ``_transport``, ``_error``,
     ``_next_ticket`` (receive ops taken so far), :meth:`fail` and
-    :meth:`_nccl_transport`; all state here is guarded by ``_cond``.
+    :meth:`_cuda_transport`; all state here is guarded by ``_cond``.
     """
 
     peer: str
@@ -90,7 +89,7 @@ class StreamReader:
     def fail(self, error: CommError) -> None:
         raise NotImplementedError
 
-    def _nccl_transport(self, device: torch.device, timeout: float) -> NcclTransport:
+    def _cuda_transport(self, device: torch.device, timeout: float) -> Transport:
         raise NotImplementedError
 
     # -- the role and the receiver thread ------------------------------------------------------
@@ -249,7 +248,7 @@ class StreamReader:
         fails the connection."""
         try:
             if buffers and buffers[0].is_cuda:
-                self._nccl_transport(buffers[0].device, timeout).recv_into(buffers, timeout)
+                self._cuda_transport(buffers[0].device, timeout).recv_into(buffers, timeout)
             else:
                 # The payload follows its frame; only a dead peer stops it (seen at once).
                 transport.recv_into([codec.as_bytes(b) for b in buffers if b.numel()], None)

@@ -119,7 +119,8 @@ class Worker(DispatchInfoMixin):
 
         Tensors, lists of tensors, dicts of str -> tensor and dataclasses holding tensors
         travel as raw bytes (CPU tensors over shared memory or Gloo, CUDA tensors over
-        NCCL) behind a small msgspec header; any other picklable object is pickled.
+        NCCL, or CUDA IPC between workers on one GPU) behind a small msgspec header;
+        any other picklable object is pickled.
 
         Unlike RLinf, this never hangs on call order: the first contact with a peer
         forms the connection in the background, both ends may post ``async_op=True``
