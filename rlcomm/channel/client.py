@@ -38,7 +38,7 @@ from rlcomm.channel.outbox import Outbox
 from rlcomm.channel.state import Delivery
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.manager import CommManager
-from rlcomm.comm.options import CollectiveGroupOptions
+from rlcomm.comm.options import CollectiveGroupOptions, op_timeout
 from rlcomm.errors import (
     ChannelClosedError,
     ChannelEmpty,
@@ -290,7 +290,7 @@ class Link(Requester):
 
     def _send(self, entries: list[tuple[tuple, Any]]) -> None:
         message = P.pack([h for h, _ in entries], [i for _, i in entries])
-        self._comm.send(message, self.address, False, SEND_OPTIONS)
+        self._conn.send_message(message, op_timeout(SEND_OPTIONS))
 
     def wait_reply(self, fut: concurrent.futures.Future, timeout: float) -> bool:
         return self._conn.pump(fut, timeout, self._awaits_replies)

@@ -63,14 +63,19 @@ class Outbox:
             inline: ``False`` to hand the sending to the flush pool.
         """
         with self._lock:
-            self._entries.extend(entries)
             if self._flushing:
+                self._entries.extend(entries)
                 return
             self._flushing = True
-        if inline:
-            self._flush()
-        else:
+            if not inline or self._entries:
+                self._entries.extend(entries)
+                entries = []
+        if not inline:
             _flush_pool().submit(self._flush)
+            return
+        if entries:  # a lone poster: send its own entries without queueing them
+            self._send_or_fail(entries)
+        self._flush()
 
     def _flush(self) -> None:
         while True:

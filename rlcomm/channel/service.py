@@ -36,6 +36,7 @@ from rlcomm.channel.routing import HomeTable
 from rlcomm.channel.state import Delivery
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.manager import CommManager, parse_address
+from rlcomm.comm.options import op_timeout
 from rlcomm.comm.selector import Selector
 from rlcomm.errors import CodecError, CommError
 from rlcomm.worker.address import WorkerAddress
@@ -161,7 +162,11 @@ class ChannelService:
 
     def _send(self, client: WorkerAddress, batch: list[Delivery]) -> None:
         message = P.pack([d[1] for d in batch], [d[2] for d in batch])
-        self._manager.send(message, client, False, SEND_OPTIONS)
+        conn = self._listening.get(client)
+        if conn is not None and conn.error is None:
+            conn.send_message(message, op_timeout(SEND_OPTIONS))
+        else:  # not listened yet, or reconnecting
+            self._manager.send(message, client, False, SEND_OPTIONS)
 
     def _undeliverable(self, client: WorkerAddress, batch: list[Delivery], exc: BaseException) -> None:
         if isinstance(exc, CodecError):  # re-encoding a decoded item failed: answer, drop it

@@ -181,6 +181,12 @@ class Connection(StreamReader):
         finally:
             self._send_lock.release()
 
+    def send_message(self, obj: Any, timeout: float) -> None:
+        """Encode ``obj`` and send it from the calling thread: the short path of a caller
+        that holds the connection already (a listened one), past the manager's lookups."""
+        header, tensors = codec.encode(obj)
+        self.send_inline(header, tensors, timeout)
+
     def _check_sendable(self) -> None:
         if self._error is not None and not isinstance(self._error, CommTimeoutError):
             raise self._error
@@ -202,7 +208,9 @@ class Connection(StreamReader):
                 self._queued_sends -= 1
 
     def _send_now(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
-        transport = self.wait_ready(timeout)
+        transport = self._transport
+        if transport is None or self._error is not None:
+            transport = self.wait_ready(timeout)
         frame, payload = framing.pack(header, tensors)
         if tensors and tensors[0].is_cuda:
             transport.send_frame(frame, [], timeout)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlcomm.comm.transports import pool
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
@@ -65,7 +66,11 @@ from rlcomm.errors import CommTimeoutError, PeerLostError
 
 #: The ring's lock-free counters rely on x86-64 keeping stores in order.
 SHM_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "memfd_create")
-_MAX_IN_FLIGHT = int(os.environ.get("RLCOMM_SHM_MAX_IN_FLIGHT", 16))
+_MAX_IN_FLIGHT = int(os.environ.get("RLCOMM_SHM_MAX_IN_FLIGHT", 32))
+#: A receiver holding this many of the sender's segments (zero-copy views it keeps, like a
+#: queue's items) copies later payloads out instead, so that the sender does not run out
+#: of segments and fall back to streaming large payloads through the ring.
+_PIN_LIMIT = _MAX_IN_FLIGHT // 2
 _RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
 _INLINE, _SEGMENT, _FRAME = 1, 2, 3
 
@@ -372,7 +377,8 @@ class ShmTransport(Transport):
 
     def recv_new(self, sizes: Sequence[int], timeout: float | None) -> list[torch.Tensor]:
         """Receive payloads of ``sizes`` bytes; large ones as zero-copy views of segments
-        (the segment returns to the sender's pool when the view is freed)."""
+        (the segment returns to the sender's pool when the view is freed), or copied
+        into pooled buffers while this side holds :data:`_PIN_LIMIT` segments."""
         if self._closed:
             raise self._lost("shm recv")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -382,15 +388,25 @@ class ShmTransport(Transport):
             self._check_size(size, n)
             if kind == _SEGMENT:
                 seg = self._peer_segment(seg_id, deadline)
-                arr = np.frombuffer(seg.mm, dtype=np.uint8, count=n)
-                weakref.finalize(arr, release_segment, self._in.states, seg_id)
-                out.append(torch.from_numpy(arr))
+                if self._pinned() <= _PIN_LIMIT:  # counting this one
+                    arr = np.frombuffer(seg.mm, dtype=np.uint8, count=n)
+                    weakref.finalize(arr, release_segment, self._in.states, seg_id)
+                    out.append(torch.from_numpy(arr))
+                else:  # this side keeps many views: copy, so the sender keeps segments
+                    t = pool.take(n)
+                    t.copy_(seg.tensor[:n])
+                    release_segment(self._in.states, seg_id)
+                    out.append(t)
             else:
-                t = torch.empty(n, dtype=torch.uint8)
+                t = pool.take(n)
                 if n:
                     self._read(t, n, deadline)
                 out.append(t)
         return out
+
+    def _pinned(self) -> int:
+        """How many of the peer's segments are in flight to, or held by, this side."""
+        return int(self._in.states[: len(self._peer_segments)].sum())
 
     def close(self) -> None:
         self._closed = True

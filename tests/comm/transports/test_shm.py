@@ -9,6 +9,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,16 +95,41 @@ def test_zero_copy_views_return_segments_to_the_pool(pair):
     assert torch.equal(third, _bytes(n, 3)) and len(a._segments) == pool_before
 
 
-def test_receiver_holding_many_views_falls_back_to_the_ring(pair):
+def test_receiver_holding_many_views_gets_copies_and_leaves_the_sender_segments(pair):
     a, b = pair
     n = 1 << 20
     held = []
     for i in range(shm._MAX_IN_FLIGHT + 3):
         a.send([_bytes(n, i)], 10)
         held.extend(b.recv_new([n], 10))
-    assert len(a._segments) <= shm._MAX_IN_FLIGHT
+    # The first _PIN_LIMIT payloads are views of the sender's segments; later ones are
+    # copies (their segments went back at once), so the sender's pool stops growing.
+    views = [t for t in held if any(
+        t.data_ptr() == np.frombuffer(seg.mm, dtype=np.uint8).ctypes.data
+        for seg in b._peer_segments.values())]
+    assert len(views) == shm._PIN_LIMIT
+    assert b._pinned() == shm._PIN_LIMIT
+    assert len(a._segments) == shm._PIN_LIMIT + 1
     for i, t in enumerate(held):
         assert torch.equal(t, _bytes(n, i))
+    del views, held, t
+    gc.collect()
+    assert b._pinned() == 0
+
+
+def test_sender_far_ahead_streams_through_the_ring(pair):
+    a, b = pair
+    n = 1 << 20
+    count = shm._MAX_IN_FLIGHT + 5
+    sender = threading.Thread(target=lambda: [a.send([_bytes(n, i)], 30) for i in range(count)])
+    sender.start()
+    sender.join(timeout=30)  # the ring (8 MiB) takes what the segments do not
+    assert not sender.is_alive()
+    assert len(a._segments) == shm._MAX_IN_FLIGHT
+    for i in range(count):
+        got = torch.empty(n, dtype=torch.uint8)
+        b.recv_into([got], 10)
+        assert torch.equal(got, _bytes(n, i))
 
 
 def test_recv_timeout_and_peer_close(pair):
