@@ -335,7 +335,10 @@ class StreamReader:
         with self._cond:
             self._selector = selector
             if self._role == ROLE_RECEIVER_THREAD and self._wake_w >= 0:
-                os.write(self._wake_w, b"s")  # out of its poll: it leaves the role
+                try:
+                    os.write(self._wake_w, b"s")  # out of its poll: it leaves the role
+                except BlockingIOError:
+                    pass  # full of wake-ups already
         selector.wake()
 
     def claim_for_selector(self, selector: Any) -> Transport | bool:
@@ -349,12 +352,14 @@ class StreamReader:
             if self._error is not None:
                 self._close_wake_pipe()
                 return True
-            if transport is None or not self._receiver_may_read(True):
+            if transport is None:
                 return False
             if not transport.pollable:  # its receiver thread reads it
                 self._selector = None
                 self._receiver_wake.notify()
                 return True
+            if not self._receiver_may_read(True):
+                return False
             self._role = ROLE_RECEIVER_THREAD
             return transport
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from rlcomm.comm import codec
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.selector import Selector
+from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 from rlcomm.errors import PeerLostError
@@ -162,6 +163,35 @@ def test_closing_the_selector_hands_connections_back(pairs):
     _wait_until(lambda: got == [1, 2])
     with pytest.raises(RuntimeError, match="closed"):
         selector.add(pairs[1][0])
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores):
+    ends: dict[int, GlooTransport] = {}
+
+    def make(rank: int) -> None:
+        ends[rank] = GlooTransport(dist.PrefixStore("g", stores[rank]), rank, 10, f"end{1 - rank}")
+
+    t = threading.Thread(target=make, args=(1,))
+    t.start()
+    make(0)
+    t.join(timeout=10)
+    a, b = Connection("b"), Connection("a")
+    a.attach(ends[0], stores[0], 0)
+    b.attach(ends[1], stores[1], 1)
+    selector = Selector("test-selector")
+    got: list[tuple[str, str]] = []
+    try:
+        a.listen(lambda obj: got.append((obj, threading.current_thread().name)), lambda e: None)
+        selector.add(a)
+        _wait_until(lambda: selector.connections == 0)  # let go: Gloo cannot be polled
+        _send(b, "over gloo")
+        _wait_until(lambda: len(got) == 1)
+        assert got == [("over gloo", "rlcomm-recv-b")]
+    finally:
+        selector.close()
+        a.close()
+        b.close()
 
 
 @pytest.mark.timeout(60)

@@ -47,8 +47,6 @@ from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
     HEAD,
-    MAX_SEGMENTS,
-    POOL_BYTES,
     RING_BYTES,
     SEGMENT_THRESHOLD,
     SLEEPING,
@@ -56,6 +54,7 @@ from rlcomm.comm.transports.shm_memory import (
     WAITING,
     Ring,
     Segment,
+    SegmentPool,
     map_fd,
     new_memfd,
     release_segment,
@@ -102,8 +101,7 @@ class ShmTransport(Transport):
         self._in = Ring(map_fd(in_fd, CTRL_BYTES + RING_BYTES))
         os.close(in_fd)
         self._spin = Spin()  # of this transport's own waits for data
-        self._segments: list[Segment] = []  # outgoing pool
-        self._pool_bytes = 0
+        self._pool = SegmentPool(self._out.states, self._signals.send_fd, _MAX_IN_FLIGHT)
         self._peer_segments: dict[int, Segment] = {}  # incoming, mapped on first sight
 
     # -- notifications ----------------------------------------------------------------------
@@ -181,36 +179,6 @@ class ShmTransport(Transport):
                 pass
         words[WAITING // 8] = 0
 
-    def _segment_for(self, nbytes: int, deadline: float) -> Segment | None:
-        states = self._out.states
-        best = None
-        for seg in self._segments:
-            if states[seg.id] == 0 and seg.size >= nbytes and (best is None or seg.size < best.size):
-                best = seg
-        if best is None:
-            # Grow the pool only while few segments are in flight: a sender that runs far
-            # ahead of its receiver streams through the ring instead of mapping new memory.
-            in_use = sum(int(states[seg.id]) for seg in self._segments)
-            size = max(1 << 20, 1 << (nbytes - 1).bit_length())
-            if (
-                in_use >= _MAX_IN_FLIGHT
-                or self._pool_bytes + size > POOL_BYTES
-                or len(self._segments) >= MAX_SEGMENTS
-            ):
-                return None
-            seg_id = len(self._segments)
-            fd, mm = new_memfd("rlcomm-seg", size)
-            best = Segment(seg_id, size, mm)
-            try:
-                # Bounded: the peer reads its socket whenever its ring runs empty.
-                self._signals.send_fd(seg_id, size, fd, deadline)
-            finally:
-                os.close(fd)
-            self._segments.append(best)
-            self._pool_bytes += size
-        states[best.id] = 1
-        return best
-
     def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
         if self._closed:
             raise self._lost("shm send")
@@ -229,7 +197,7 @@ class ShmTransport(Transport):
     def _send_payload(self, tensors: Sequence[torch.Tensor], deadline: float) -> None:
         for t in tensors:
             n = t.numel()
-            seg = self._segment_for(n, deadline) if n >= SEGMENT_THRESHOLD else None
+            seg = self._pool.take(n, deadline) if n >= SEGMENT_THRESHOLD else None
             if seg is not None:
                 seg.tensor[:n].copy_(t)
                 self._write(_RECORD.pack(_SEGMENT, seg.id, n), deadline)

@@ -4,13 +4,15 @@ A *ring* mapping is a control block of :data:`CTRL_BYTES` (int64 words at the by
 offsets :data:`HEAD`, :data:`TAIL`, :data:`WAITING`, :data:`SLEEPING`, and one state
 byte per segment from :data:`STATES`) followed by :data:`RING_BYTES` of data. The
 sender writes ``HEAD`` and ``WAITING``; the receiver writes ``TAIL``, ``SLEEPING`` and
-clears segment states. A *segment* is a mapping that carries one large payload.
+clears segment states. A *segment* is a mapping that carries one large payload; a
+sender keeps its segments in a :class:`SegmentPool`.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -65,3 +67,78 @@ class Segment:
 def release_segment(states: np.ndarray, seg_id: int) -> None:
     """Hand segment ``seg_id`` back to its sender's pool."""
     states[seg_id] = 0
+
+
+class SegmentPool:
+    """A sender's segments, reused once the receiver clears their states.
+
+    Args:
+        states: the segment state bytes of the sender's ring.
+        announce: passes a new segment's ``(id, size, memfd, deadline)`` to the receiver.
+        max_in_flight: grow the pool only while fewer segments are in flight: a sender
+            that runs far ahead of its receiver streams through the ring instead of
+            mapping new memory.
+    """
+
+    def __init__(
+        self,
+        states: np.ndarray,
+        announce: Callable[[int, int, int, float], None],
+        max_in_flight: int,
+    ):
+        self._states = states
+        self._announce = announce
+        self._max_in_flight = max_in_flight
+        self.segments: list[Segment] = []
+        self._by_size: dict[int, list[Segment]] = {}
+        self._turns: dict[int, int] = {}  # where the next look in each size starts
+        self._bytes = 0
+
+    def take(self, nbytes: int, deadline: float) -> Segment | None:
+        """A free segment for ``nbytes``, now marked in flight; None if there is none and
+        the pool may not grow (the payload then streams through the ring)."""
+        states = self._states
+        size = max(1 << 20, 1 << (nbytes - 1).bit_length())  # sizes are powers of 2
+        best = None
+        same = self._by_size.get(size)
+        if same:  # round robin: in a stream, the oldest segment is the likeliest free
+            turn = self._turns.get(size, 0)
+            for k in range(len(same)):
+                seg = same[(turn + k) % len(same)]
+                if states[seg.id] == 0:
+                    best = seg
+                    self._turns[size] = (turn + k + 1) % len(same)
+                    break
+        if best is None:  # a free larger one, the smallest that fits
+            for seg in self.segments:
+                if states[seg.id] == 0 and seg.size >= nbytes and (
+                    best is None or seg.size < best.size
+                ):
+                    best = seg
+        if best is None:
+            best = self._grow(size, deadline)
+            if best is None:
+                return None
+        states[best.id] = 1
+        return best
+
+    def _grow(self, size: int, deadline: float) -> Segment | None:
+        in_use = int(self._states[: len(self.segments)].sum())
+        if (
+            in_use >= self._max_in_flight
+            or self._bytes + size > POOL_BYTES
+            or len(self.segments) >= MAX_SEGMENTS
+        ):
+            return None
+        seg_id = len(self.segments)
+        fd, mm = new_memfd("rlcomm-seg", size)
+        seg = Segment(seg_id, size, mm)
+        try:
+            # Bounded: the peer reads its socket whenever its ring runs empty.
+            self._announce(seg_id, size, fd, deadline)
+        finally:
+            os.close(fd)
+        self.segments.append(seg)
+        self._by_size.setdefault(size, []).append(seg)
+        self._bytes += size
+        return seg

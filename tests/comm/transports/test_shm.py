@@ -81,7 +81,7 @@ def test_zero_copy_views_return_segments_to_the_pool(pair):
     a.send([_bytes(n, 1)], 10)
     (view,) = b.recv_new([n], 10)
     assert torch.equal(view, _bytes(n, 1))
-    seg_id = next(s.id for s in a._segments if a._out.states[s.id])
+    seg_id = next(s.id for s in a._pool.segments if a._out.states[s.id])
     # Held by the receiver: the sender must not reuse it.
     a.send([_bytes(n, 2)], 10)
     (second,) = b.recv_new([n], 10)
@@ -89,10 +89,10 @@ def test_zero_copy_views_return_segments_to_the_pool(pair):
     del view
     gc.collect()
     assert a._out.states[seg_id] == 0
-    pool_before = len(a._segments)
+    pool_before = len(a._pool.segments)
     a.send([_bytes(n, 3)], 10)
     (third,) = b.recv_new([n], 10)
-    assert torch.equal(third, _bytes(n, 3)) and len(a._segments) == pool_before
+    assert torch.equal(third, _bytes(n, 3)) and len(a._pool.segments) == pool_before
 
 
 def test_receiver_holding_many_views_gets_copies_and_leaves_the_sender_segments(pair):
@@ -109,7 +109,7 @@ def test_receiver_holding_many_views_gets_copies_and_leaves_the_sender_segments(
         for seg in b._peer_segments.values())]
     assert len(views) == shm._PIN_LIMIT
     assert b._pinned() == shm._PIN_LIMIT
-    assert len(a._segments) == shm._PIN_LIMIT + 1
+    assert len(a._pool.segments) == shm._PIN_LIMIT + 1
     for i, t in enumerate(held):
         assert torch.equal(t, _bytes(n, i))
     del views, held, t
@@ -125,7 +125,7 @@ def test_sender_far_ahead_streams_through_the_ring(pair):
     sender.start()
     sender.join(timeout=30)  # the ring (8 MiB) takes what the segments do not
     assert not sender.is_alive()
-    assert len(a._segments) == shm._MAX_IN_FLIGHT
+    assert len(a._pool.segments) == shm._MAX_IN_FLIGHT
     for i in range(count):
         got = torch.empty(n, dtype=torch.uint8)
         b.recv_into([got], 10)
