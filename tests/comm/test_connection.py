@@ -9,60 +9,24 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlcomm.comm import codec
-from rlcomm.comm.connection import Connection
-from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
+from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.errors import PeerLostError
+from tests.comm.pairs import receive, send, send_past_the_ring
 
 pytestmark = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
-
-
-@pytest.fixture
-def conns():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    stores = [server, dist.TCPStore("127.0.0.1", server.port, is_master=False)]
-    ends: dict[int, ShmTransport] = {}
-
-    def make(rank: int) -> None:
-        ends[rank] = ShmTransport(dist.PrefixStore("c", stores[rank]), rank, 10, f"end{1 - rank}")
-
-    t = threading.Thread(target=make, args=(1,))
-    t.start()
-    make(0)
-    t.join(timeout=10)
-    a, b = Connection("b"), Connection("a")
-    a.attach(ends[0], stores[0], 0)
-    b.attach(ends[1], stores[1], 1)
-    yield a, b
-    a.close()
-    b.close()
-
-
-def _send(conn: Connection, obj) -> None:
-    header, tensors = codec.encode(obj)
-    conn.send_inline(header, tensors, 10)
-
-
-def _recv(conn: Connection, timeout: float = 10):
-    return conn.recv_object(conn.take_ticket(), timeout, None)
 
 
 def test_receive_ops_and_the_receiver_thread_share_the_stream(conns):
     a, b = conns
     for i in range(200):  # ping-pong: each receive op reads its own message
-        _send(a, torch.tensor([i]))
-        _send(b, _recv(b) + 1)
-        assert int(_recv(a)) == i + 1
+        send(a, torch.tensor([i]))
+        send(b, receive(b) + 1)
+        assert int(receive(a)) == i + 1
     # Nobody receives: the receiver thread takes the stream back and buffers, so sends
     # of more than the ring holds (8 MiB) complete.
-    big = torch.ones(100 << 10, dtype=torch.uint8)
-    for _ in range(120):
-        _send(a, big)
-    _send(a, "last")
-    got = [_recv(b) for _ in range(121)]
-    assert all(torch.equal(t, big) for t in got[:-1]) and got[-1] == "last"
+    send_past_the_ring(a, b, torch.ones(100 << 10, dtype=torch.uint8), 120)
 
 
 def test_concurrent_receivers_get_every_message_once_in_ticket_order(conns):
@@ -78,7 +42,7 @@ def test_concurrent_receivers_get_every_message_once_in_ticket_order(conns):
     for t in threads:
         t.start()
     for i in range(300):
-        _send(a, i)
+        send(a, i)
     for t in threads:
         t.join(timeout=30)
     assert [results[t] for t in tickets] == list(range(300))
@@ -89,11 +53,11 @@ def test_send_tensor_payload_is_read_by_the_receive_op(conns):
     src = torch.arange(300_000, dtype=torch.float32)  # past the segment threshold
     header, tensors = codec.encode_raw(src)
     a.send_inline(header, tensors, 10)
-    _send(a, "after")
+    send(a, "after")
     dst = torch.empty_like(src)
     b.recv_tensor_into(b.take_ticket(), dst, 10)
     assert torch.equal(dst, src)
-    assert _recv(b) == "after"
+    assert receive(b) == "after"
 
 
 def test_a_pump_dispatches_its_own_reply_on_its_thread(conns):
@@ -113,7 +77,7 @@ def test_a_pump_dispatches_its_own_reply_on_its_thread(conns):
     me = threading.get_ident()
     for i in range(50):
         fut = waiting[i] = concurrent.futures.Future()
-        _send(a, i)
+        send(a, i)
         assert b.pump(fut, 10, lambda: False)
         assert fut.result(0) == i
     assert [obj for obj, _ in seen] == list(range(50))
@@ -122,7 +86,7 @@ def test_a_pump_dispatches_its_own_reply_on_its_thread(conns):
     assert sum(ident == me for _, ident in seen) >= 40
     # With no pump running, the receiver thread dispatches.
     time.sleep(0.05)
-    _send(a, "background")
+    send(a, "background")
     deadline = time.monotonic() + 10
     while len(seen) < 51 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -32,7 +32,7 @@ from rlcomm.comm.transports.cuda_ipc import (
     exchange_gpu_uuids,
     payload_layout,
 )
-from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
+from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.errors import CommTimeoutError, PeerLostError, ProtocolMismatchError
 from rlcomm.worker.address import WorkerAddress
 
@@ -206,27 +206,6 @@ class _FakeNccl:
 
     def __init__(self, store, rank, timeout, peer, device):
         self.rank = rank
-
-
-@pytest.fixture
-def conns():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    stores = [server, dist.TCPStore("127.0.0.1", server.port, is_master=False)]
-    ends: dict[int, ShmTransport] = {}
-
-    def make(rank: int) -> None:
-        ends[rank] = ShmTransport(dist.PrefixStore("c", stores[rank]), rank, 10, f"end{1 - rank}")
-
-    t = threading.Thread(target=make, args=(1,))
-    t.start()
-    make(0)
-    t.join(timeout=10)
-    a, b = Connection("b"), Connection("a")
-    a.attach(ends[0], dist.PrefixStore("c", stores[0]), 0)
-    b.attach(ends[1], dist.PrefixStore("c", stores[1]), 1)
-    yield a, b
-    a.close()
-    b.close()
 
 
 def _choose_both(conns, uuids: dict[str, str], monkeypatch) -> list:

@@ -9,61 +9,37 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from rlcomm.comm import codec
-from rlcomm.comm.connection import Connection
 from rlcomm.comm.selector import Selector
 from rlcomm.comm.transports.gloo import GlooTransport
-from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
+from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 from rlcomm.errors import PeerLostError
+from tests.comm.pairs import (
+    connection_pair,
+    receive,
+    send,
+    send_past_the_ring,
+    transport_pair,
+    two_stores,
+)
 
 pytestmark = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
 
 
-def _transport_pair(stores, prefix: str) -> tuple[ShmTransport, ShmTransport]:
-    ends: dict[int, ShmTransport] = {}
-
-    def make(rank: int) -> None:
-        ends[rank] = ShmTransport(dist.PrefixStore(prefix, stores[rank]), rank, 10, f"end{1 - rank}")
-
-    t = threading.Thread(target=make, args=(1,))
-    t.start()
-    make(0)
-    t.join(timeout=10)
-    return ends[0], ends[1]
-
-
 @pytest.fixture
 def stores():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return [server, dist.TCPStore("127.0.0.1", server.port, is_master=False)]
+    return two_stores()
 
 
 @pytest.fixture
 def pairs(stores):
     """Three connected pairs: (served end, peer end)."""
-    made = []
-    for i in range(3):
-        mine, theirs = _transport_pair(stores, f"p{i}")
-        a, b = Connection(f"peer{i}"), Connection(f"server{i}")
-        a.attach(mine, stores[0], 0)
-        b.attach(theirs, stores[1], 1)
-        made.append((a, b))
+    made = [connection_pair(stores, f"p{i}") for i in range(3)]
     yield made
     for a, b in made:
         a.close()
         b.close()
-
-
-def _send(conn: Connection, obj) -> None:
-    header, tensors = codec.encode(obj)
-    conn.send_inline(header, tensors, 10)
-
-
-def _recv(conn: Connection, timeout: float = 10):
-    return conn.recv_object(conn.take_ticket(), timeout, None)
 
 
 def _wait_until(cond, timeout: float = 10) -> None:
@@ -90,13 +66,13 @@ def test_one_thread_reads_every_listened_connection_in_order(pairs):
         # A message that comes while a receiver thread still hands its connection over
         # may be read by that thread; from the next one on, the selector reads.
         for _, b in pairs:
-            _send(b, torch.tensor([-1]))
+            send(b, torch.tensor([-1]))
         _wait_until(lambda: all(v == [-1] for v in got.values()))
         got = {i: [] for i in range(3)}
         threads.clear()
         for n in range(300):  # interleaved, with pauses so the selector also sleeps
             for _, b in pairs:
-                _send(b, torch.tensor([n]))
+                send(b, torch.tensor([n]))
             if n % 50 == 0:
                 time.sleep(0.01)
         _wait_until(lambda: all(len(v) == 300 for v in got.values()))
@@ -114,15 +90,10 @@ def test_receive_ops_take_a_selected_connection_and_give_it_back(pairs):
     try:
         selector.add(a)
         for i in range(100):  # the receive op asks the selector for the role each time
-            _send(b, i)
-            assert _recv(a) == i
+            send(b, i)
+            assert receive(a) == i
         # Nobody receives: the selector reads into the inbox, past the ring's size.
-        big = torch.ones(1 << 20, dtype=torch.uint8)
-        for _ in range(12):
-            _send(b, big)
-        _send(b, "last")
-        got = [_recv(a) for _ in range(13)]
-        assert all(torch.equal(t, big) for t in got[:-1]) and got[-1] == "last"
+        send_past_the_ring(b, a, torch.ones(1 << 20, dtype=torch.uint8), 12)
     finally:
         selector.close()
 
@@ -141,8 +112,8 @@ def test_a_lost_peer_fails_its_connection_only(pairs):
         _wait_until(lambda: len(errors) == 1)
         assert isinstance(errors[0], PeerLostError)
         _wait_until(lambda: selector.connections == 2)
-        _send(pairs[0][1], "still here")
-        _send(pairs[2][1], "me too")
+        send(pairs[0][1], "still here")
+        send(pairs[2][1], "me too")
         _wait_until(lambda: len(got) == 2)
         assert sorted(got) == ["me too", "still here"]
     finally:
@@ -156,10 +127,10 @@ def test_closing_the_selector_hands_connections_back(pairs):
     a, b = pairs[0]
     a.listen(got.append, lambda exc: None)
     selector.add(a)
-    _send(b, 1)
+    send(b, 1)
     _wait_until(lambda: got == [1])
     selector.close()
-    _send(b, 2)  # read by the connection's receiver thread now
+    send(b, 2)  # read by the connection's receiver thread now
     _wait_until(lambda: got == [1, 2])
     with pytest.raises(RuntimeError, match="closed"):
         selector.add(pairs[1][0])
@@ -167,25 +138,14 @@ def test_closing_the_selector_hands_connections_back(pairs):
 
 @pytest.mark.timeout(60)
 def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores):
-    ends: dict[int, GlooTransport] = {}
-
-    def make(rank: int) -> None:
-        ends[rank] = GlooTransport(dist.PrefixStore("g", stores[rank]), rank, 10, f"end{1 - rank}")
-
-    t = threading.Thread(target=make, args=(1,))
-    t.start()
-    make(0)
-    t.join(timeout=10)
-    a, b = Connection("b"), Connection("a")
-    a.attach(ends[0], stores[0], 0)
-    b.attach(ends[1], stores[1], 1)
+    a, b = connection_pair(stores, "g", GlooTransport)
     selector = Selector("test-selector")
     got: list[tuple[str, str]] = []
     try:
         a.listen(lambda obj: got.append((obj, threading.current_thread().name)), lambda e: None)
         selector.add(a)
         _wait_until(lambda: selector.connections == 0)  # let go: Gloo cannot be polled
-        _send(b, "over gloo")
+        send(b, "over gloo")
         _wait_until(lambda: len(got) == 1)
         assert got == [("over gloo", "rlcomm-recv-b")]
     finally:
@@ -196,7 +156,7 @@ def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores):
 
 @pytest.mark.timeout(60)
 def test_wait_for_data_watches_several_transports(stores):
-    pairs = [_transport_pair(stores, f"w{i}") for i in range(2)]
+    pairs = [transport_pair(stores, f"w{i}") for i in range(2)]
     mine = [p[0] for p in pairs]
     spin = Spin()
     r, w = os.pipe()

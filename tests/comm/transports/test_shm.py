@@ -17,24 +17,14 @@ import torch.distributed as dist
 from rlcomm.comm.transports import shm
 from rlcomm.comm.transports.shm import ShmTransport
 from rlcomm.errors import CommTimeoutError, PeerLostError
+from tests.comm.pairs import transport_pair, two_stores
 
 
 @pytest.fixture
 def pair():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    # One client connection per end, as in two processes (a client serializes its ops).
-    stores = [server, dist.TCPStore("127.0.0.1", server.port, is_master=False)]
-    ends: dict[int, ShmTransport] = {}
-
-    def make(rank: int) -> None:
-        ends[rank] = ShmTransport(dist.PrefixStore("t", stores[rank]), rank, 10, f"end{1 - rank}")
-
-    t = threading.Thread(target=make, args=(1,))
-    t.start()
-    make(0)
-    t.join(timeout=10)
-    yield ends[0], ends[1]
-    for end in ends.values():
+    ends = transport_pair(two_stores(), "t")
+    yield ends
+    for end in ends:
         end.close()
 
 
