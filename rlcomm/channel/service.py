@@ -74,7 +74,12 @@ class ChannelService:
             if address in self._listening:
                 return  # it reads on, also after a reconnect (see _lost)
             self._listening[address] = None
-        self._listen(address)
+        try:
+            self._listen(address)
+        except BaseException:
+            with self._lock:
+                self._listening.pop(address, None)
+            raise
 
     @property
     def clients(self) -> int:
@@ -121,8 +126,17 @@ class ChannelService:
         # one still read the old connection: listen to the new one (not on this thread,
         # which may hold the manager's lock).
         logger.info("channel %r: client %s reconnected", self._channel_name, client)
-        threading.Thread(target=self._listen, args=(client,), daemon=True,
+        threading.Thread(target=self._relisten, args=(client,), daemon=True,
                          name=f"rlcomm-channel-relisten-{client}").start()
+
+    def _relisten(self, client: WorkerAddress) -> None:
+        try:
+            self._listen(client)
+        except CommError as exc:
+            with self._lock:
+                self._listening.pop(client, None)
+            logger.warning("channel %r: cannot listen to reconnected client %s: %s",
+                           self._channel_name, client, exc)
 
     def _route(
         self, client: WorkerAddress, heads: list[tuple], items: list[Any]

@@ -6,7 +6,7 @@ never waits for this worker's code to call ``recv``: messages go to the inbox. O
 pollable transport (shared memory) a receive op that finds the inbox empty takes the
 role itself (waking the receiver thread out of its poll through a pipe if needed) and
 reads its own message, which saves a thread hop per message; the receiver thread takes
-the role back once no op has read for :data:`_LINGER` seconds.
+the role back once no op has read for :data:`LINGER` seconds.
 
 CPU payloads are read eagerly into fresh tensors. A ``send_tensor`` payload (read in
 place into the caller's buffer) or a CUDA payload (read on the caller's device) *stalls*
@@ -38,13 +38,22 @@ from rlcomm.errors import CodecError, CommError, PeerLostError
 logger = logging.getLogger(__name__)
 
 #: Seconds the receiver thread leaves the receiving role to receive ops after one read.
-_LINGER = 0.005
+LINGER = 0.005
 #: Holders of the receiving role (``None``: nobody; ``ROLE_STALLED``: a deferred payload is
 #: next in the stream and waits for the receive op that takes its message).
 ROLE_RECEIVER_THREAD = "receiver thread"
 ROLE_CALLER = "caller"  # a receive op or a pump
 ROLE_STALLED = "stalled"
 ROLE_CLAIMANT = "claimant"  # the receive op reading a stalled payload
+
+
+def drain(fd: int) -> None:
+    """Read a non-blocking wake-up pipe empty."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 class Incoming:
@@ -120,7 +129,7 @@ class StreamReader:
         self._cond.notify_all()
         if stall_ends and not self._transport.pollable:
             # A receiver thread blocked on its turn reads on now; on a pollable
-            # transport it looks again within _LINGER anyway, so no wake-up is owed.
+            # transport it looks again within LINGER anyway, so no wake-up is owed.
             self._receiver_wake.notify()
 
     def _receiver_may_read(self, pollable: bool) -> bool:
@@ -128,7 +137,7 @@ class StreamReader:
         if self._role is not None:
             return False
         return not pollable or (
-            self._wanting == 0 and time.monotonic() - self._last_read >= _LINGER
+            self._wanting == 0 and time.monotonic() - self._last_read >= LINGER
         )
 
     def _receive_loop(self) -> None:
@@ -145,7 +154,7 @@ class StreamReader:
                         or not self._receiver_may_read(pollable)
                     ):
                         selected = self._selector is not None
-                        self._receiver_wake.wait(_LINGER if pollable and not selected else None)
+                        self._receiver_wake.wait(LINGER if pollable and not selected else None)
                     if self._error is not None:
                         return
                     self._role = ROLE_RECEIVER_THREAD
@@ -178,11 +187,7 @@ class StreamReader:
             self._selector.wake()
 
     def _drain_wake_pipe(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        drain(self._wake_r)
 
     def _close_wake_pipe(self) -> None:
         if self._wake_w >= 0:
@@ -343,14 +348,15 @@ class StreamReader:
 
     def claim_for_selector(self, selector: Any) -> Transport | bool:
         """Take the role for ``selector`` if it may read now: the transport when taken;
-        False when not now (try again within :data:`_LINGER`); True when the selector is
+        False when not now (try again within :data:`LINGER`); True when the selector is
         done with this connection (it failed, or its transport cannot be polled)."""
         with self._cond:
             transport = self._transport
             if self._selector is not selector:
                 return True
             if self._error is not None:
-                self._close_wake_pipe()
+                self._selector = None
+                self._close_wake_pipe()  # its receiver thread left it to the selector
                 return True
             if transport is None:
                 return False

@@ -27,7 +27,7 @@ import select
 import threading
 import time
 
-from rlcomm.comm.reading import _LINGER, StreamReader
+from rlcomm.comm.reading import LINGER, StreamReader, drain
 from rlcomm.comm.transports.shm import ShmTransport
 from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 
@@ -62,10 +62,13 @@ class Selector:
 
     def wake(self) -> None:
         """Make the thread look at its connections again (any thread may call it)."""
-        try:
-            os.write(self._wake_w, b"w")
-        except (BlockingIOError, OSError):
-            pass  # full of wake-ups already, or closed
+        with self._lock:
+            if self._wake_w < 0:
+                return  # the thread has ended
+            try:
+                os.write(self._wake_w, b"w")
+            except BlockingIOError:
+                pass  # full of wake-ups already
 
     def close(self, timeout: float = 5.0) -> None:
         """Hand every connection back to its receiver thread and end the thread."""
@@ -104,8 +107,10 @@ class Selector:
                 conns, self._conns = self._conns, []
             for conn in conns:
                 conn.release_selector(self, conn in held)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            with self._lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_r = self._wake_w = -1
 
     def _claim(self, conns: list[StreamReader], held: dict[StreamReader, ShmTransport]) -> bool:
         """Take the roles that are free; drop connections it is done with. Returns whether
@@ -132,7 +137,7 @@ class Selector:
 
     def _wait(self, held: dict[StreamReader, ShmTransport], again: bool) -> None:
         """Wait for data on a held connection, a wake-up, or (``again``) the linger time."""
-        deadline = time.monotonic() + _LINGER if again else None
+        deadline = time.monotonic() + LINGER if again else None
         if held:
             wake_fds = [self._wake_r, *(conn.wake_fd for conn in held)]
             if wait_for_data(list(held.values()), deadline, wake_fds, self._spin):
@@ -140,16 +145,8 @@ class Selector:
         else:
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
-            poller.poll(_LINGER * 1000 if again else None)
+            poller.poll(LINGER * 1000 if again else None)
         # Woken (or the time is up): empty every wake pipe, so that a stale byte cannot
         # end the next wait at once. A connection's wants are in its state, not its pipe.
         for fd in (self._wake_r, *(conn.wake_fd for conn in held)):
-            _drain(fd)
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
+            drain(fd)
