@@ -4,7 +4,9 @@
 Two workers (same node by default, ``--nodes 2`` puts them on two nodes of a running
 cluster) move float32 CPU tensors of each size. rlcomm paths: ``send/recv``,
 ``send_tensor/recv_tensor``, their ``async_op=True`` variants, ``send/recv`` forced onto
-Gloo, and (when channels are installed) channel ``put/get``. Baselines, measured in the
+Gloo, and channel ``put/get`` up to 256 MiB (rank 0 puts into a channel whose worker
+sits on rank 0's node, rank 1 gets; larger items would keep GiB-sized segment pools on
+three more connections, which this 24 GiB machine cannot hold beside the rest). Baselines, measured in the
 same run: raw ``torch.distributed`` Gloo send/recv between the same two actors, a Ray
 actor->actor call with the tensor as argument (default pickling, and with
 ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``), and Ray Direct Transport over Gloo.
@@ -31,10 +33,11 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rlcomm import Cluster, CollectiveGroupOptions, NodePlacementStrategy, Worker
+from rlcomm import Channel, Cluster, CollectiveGroupOptions, NodePlacementStrategy, Worker
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 
 SIZES = [4, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+CHANNEL_MAX = 256 << 20  # the largest channel put/get measured (see the docstring)
 LATENCY_MAX = 64 << 10  # sizes up to this also get a ping-pong latency
 GLOO = CollectiveGroupOptions(transport="gloo")
 
@@ -54,6 +57,7 @@ class BenchWorker(Worker):
         torch.set_num_threads(1)
         self._bufs: dict[int, torch.Tensor] = {}
         self._raw_shm: ShmTransport | None = None
+        self._channel: Channel | None = None
 
     def _buf(self, nbytes: int) -> torch.Tensor:
         if nbytes not in self._bufs:
@@ -88,6 +92,15 @@ class BenchWorker(Worker):
                 for _ in range(iters):
                     raw.recv_into([flat], 600)
                 raw.send([flat_ack], 600)
+        elif path == "channel put/get":
+            if self._rank == 0:
+                for _ in range(iters):
+                    self._channel.put(t)
+                self.recv(group, peer)
+            else:
+                for _ in range(iters):
+                    self._channel.get()
+                self.send(ack, group, peer)
         elif self._rank == 0:
             if path in ("send/recv", "send/recv (gloo)"):
                 for _ in range(iters):
@@ -168,6 +181,10 @@ class BenchWorker(Worker):
         self._raw_shm = ShmTransport(store, self._rank, 60, f"rank {1 - self._rank}")
         return True
 
+    def use_channel(self, name: str) -> bool:
+        self._channel = Channel.connect(name)
+        return True
+
     def first_contact(self) -> float:
         group, peer = self._peer()
         start = time.perf_counter()
@@ -220,6 +237,9 @@ class Bench:
             self.cluster, NodePlacementStrategy(nodes), name="bench_p2p"
         )
         self.pair.init_raw_gloo().wait(timeout=120)
+        self.channel = Channel.create(f"bench_p2p_{os.getpid()}", cluster=self.cluster,
+                                      node_rank=nodes[0])
+        self.pair.use_channel(self.channel.name).wait(timeout=120)
         self.raw_shm_ok = args.nodes == 1 and all(self.pair.init_raw_shm().wait(timeout=120))
         # Options apply on first contact: the forced-Gloo path gets a pair of its own.
         self.gloo_pair = BenchWorker.create_group().launch(
@@ -289,12 +309,13 @@ class Bench:
         from tqdm import tqdm
 
         paths = ["send/recv", "send_tensor/recv_tensor", "async send/recv", "send/recv (gloo)",
-                 "raw gloo", "ray actor call", "ray zero-copy"]
+                 "channel put/get", "raw gloo", "ray actor call", "ray zero-copy"]
         raw_shm = ["raw shm"] if self.raw_shm_ok else []
-        paths[5:5] = raw_shm
+        paths[6:6] = raw_shm
         if self.rdt_ok:
             paths.append("ray direct transport (gloo)")
-        jobs = [(p, s) for s in self.args.sizes for p in paths]
+        jobs = [(p, s) for s in self.args.sizes for p in paths
+                if p != "channel put/get" or s <= CHANNEL_MAX]
         jobs += [(f"latency:{p}", s) for s in self.args.sizes if s <= LATENCY_MAX
                  for p in ("send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",
                            *raw_shm)]
@@ -449,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
                       f, indent=1)
     if args.plot:
         bench.plot(args.plot)
+    bench.channel.shutdown()
     bench.pair.shutdown()
     bench.gloo_pair.shutdown()
 
