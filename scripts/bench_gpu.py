@@ -30,17 +30,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_p2p import human_size
 
 from rlcomm import Cluster, PackedPlacementStrategy, Worker
 
 SIZES = [1 << 20, 16 << 20, 256 << 20, 1 << 30]
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
 
 
 class GpuBenchWorker(Worker):
@@ -165,7 +159,7 @@ class Bench:
         rates = [nbytes / s / 1e9 for s in seconds]
         self.records.append({"path": path, "bytes": nbytes, "GB/s": statistics.median(rates),
                              "min": min(rates), "max": max(rates)})
-        print(f"  {path:26s} {_human(nbytes):>8s}: {statistics.median(rates):8.2f} GB/s",
+        print(f"  {path:26s} {human_size(nbytes):>8s}: {statistics.median(rates):8.2f} GB/s",
               flush=True)
 
     def table(self) -> str:
@@ -173,7 +167,7 @@ class Bench:
         raw_name = ("raw nccl" if self.args.device == "cuda" else "raw gloo")
         names = {"raw": raw_name}
         lines = [f"CUDA payloads over: {self.transport}; GB/s (median)",
-                 f"{'path':28s}" + "".join(f"{_human(s):>12s}" for s in sizes)]
+                 f"{'path':28s}" + "".join(f"{human_size(s):>12s}" for s in sizes)]
         by = {(r["path"], r["bytes"]): r["GB/s"] for r in self.records}
         for path in dict.fromkeys(r["path"] for r in self.records):
             lines.append(f"{names.get(path, path):28s}" + "".join(

@@ -42,7 +42,8 @@ LATENCY_MAX = 64 << 10  # sizes up to this also get a ping-pong latency
 GLOO = CollectiveGroupOptions(transport="gloo")
 
 
-def _human(n: int) -> str:
+def human_size(n: int) -> str:
+    """``n`` bytes the way the tables name sizes (4 B, 1 KiB, 16 MiB, 1 GiB)."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n // scale} {unit}"
@@ -357,7 +358,7 @@ class Bench:
             if not rows:
                 return
             lines.append(f"\n{title}")
-            head = f"{'path':34s}" + "".join(f"{_human(s):>14s}" for s in sizes_here)
+            head = f"{'path':34s}" + "".join(f"{human_size(s):>14s}" for s in sizes_here)
             lines.append(head)
             lines.append("-" * len(head))
             for p in rows:
@@ -371,7 +372,7 @@ class Bench:
         emit("One-way latency, us (median of half round trips)", "latency_us", ".1f",
              [s for s in sizes if s <= LATENCY_MAX])
         lines.append("\nRatios, rlcomm send/recv over each baseline (bandwidth; >1 is faster)")
-        head = f"{'baseline':34s}" + "".join(f"{_human(s):>14s}" for s in sizes)
+        head = f"{'baseline':34s}" + "".join(f"{human_size(s):>14s}" for s in sizes)
         lines.append(head)
         lines.append("-" * len(head))
         for base in ("raw gloo", "ray actor call", "ray zero-copy", "ray direct transport (gloo)"):
@@ -387,13 +388,13 @@ class Bench:
         if any(a and b for _, a, b in tensor_vs_shm):
             lines.append("\nsend_tensor/recv_tensor over the raw shm transport it runs on "
                          "(bandwidth, >= 1 MiB): " + ", ".join(
-                             f"{_human(s)} {a['median'] / b['median']:.2f}x"
+                             f"{human_size(s)} {a['median'] / b['median']:.2f}x"
                              for s, a, b in tensor_vs_shm if a and b))
         lat = [(s, self.get("send/recv", s, "latency_us"), self.get("raw gloo", s, "latency_us"))
                for s in sizes if s <= LATENCY_MAX]
         if lat:
             lines.append("\nLatency ratio, rlcomm send/recv over raw gloo (<1 is faster): " + ", ".join(
-                f"{_human(s)} {a['median'] / b['median']:.2f}x" for s, a, b in lat if a and b))
+                f"{human_size(s)} {a['median'] / b['median']:.2f}x" for s, a, b in lat if a and b))
         cold = self.get("first send/recv of a fresh pair", 4, "cold_ms")
         if cold:
             lines.append(f"\nFirst send/recv of a fresh pair (lazy connection): median "
