@@ -42,6 +42,14 @@ def pairs(stores):
         b.close()
 
 
+@pytest.fixture
+def selector():
+    """A selector whose thread is named "test-selector", closed after the test."""
+    sel = Selector("test-selector")
+    yield sel
+    sel.close()
+
+
 def _wait_until(cond, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -50,8 +58,7 @@ def _wait_until(cond, timeout: float = 10) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_one_thread_reads_every_listened_connection_in_order(pairs):
-    selector = Selector("test-selector")
+def test_one_thread_reads_every_listened_connection_in_order(pairs, selector):
     got: dict[int, list[int]] = {i: [] for i in range(3)}
     threads: set[str] = set()
 
@@ -59,70 +66,58 @@ def test_one_thread_reads_every_listened_connection_in_order(pairs):
         threads.add(threading.current_thread().name)
         got[i].append(int(obj))
 
-    try:
-        for i, (a, _) in enumerate(pairs):
-            a.listen(lambda obj, i=i: on_message(i, obj), lambda exc: None)
-            selector.add(a)
-        # A message that comes while a receiver thread still hands its connection over
-        # may be read by that thread; from the next one on, the selector reads.
-        for _, b in pairs:
-            send(b, torch.tensor([-1]))
-        _wait_until(lambda: all(v == [-1] for v in got.values()))
-        got = {i: [] for i in range(3)}
-        threads.clear()
-        for n in range(300):  # interleaved, with pauses so the selector also sleeps
-            for _, b in pairs:
-                send(b, torch.tensor([n]))
-            if n % 50 == 0:
-                time.sleep(0.01)
-        _wait_until(lambda: all(len(v) == 300 for v in got.values()))
-        assert all(v == list(range(300)) for v in got.values())
-        assert threads == {"test-selector"}
-        assert selector.connections == 3
-    finally:
-        selector.close()
-
-
-@pytest.mark.timeout(60)
-def test_receive_ops_take_a_selected_connection_and_give_it_back(pairs):
-    selector = Selector()
-    a, b = pairs[0]
-    try:
+    for i, (a, _) in enumerate(pairs):
+        a.listen(lambda obj, i=i: on_message(i, obj), lambda exc: None)
         selector.add(a)
-        for i in range(100):  # the receive op asks the selector for the role each time
-            send(b, i)
-            assert receive(a) == i
-        # Nobody receives: the selector reads into the inbox, past the ring's size.
-        send_past_the_ring(b, a, torch.ones(1 << 20, dtype=torch.uint8), 12)
-    finally:
-        selector.close()
+    # A message that comes while a receiver thread still hands its connection over
+    # may be read by that thread; from the next one on, the selector reads.
+    for _, b in pairs:
+        send(b, torch.tensor([-1]))
+    _wait_until(lambda: all(v == [-1] for v in got.values()))
+    got = {i: [] for i in range(3)}
+    threads.clear()
+    for n in range(300):  # interleaved, with pauses so the selector also sleeps
+        for _, b in pairs:
+            send(b, torch.tensor([n]))
+        if n % 50 == 0:
+            time.sleep(0.01)
+    _wait_until(lambda: all(len(v) == 300 for v in got.values()))
+    assert all(v == list(range(300)) for v in got.values())
+    assert threads == {"test-selector"}
+    assert selector.connections == 3
 
 
 @pytest.mark.timeout(60)
-def test_a_lost_peer_fails_its_connection_only(pairs):
-    selector = Selector()
+def test_receive_ops_take_a_selected_connection_and_give_it_back(pairs, selector):
+    a, b = pairs[0]
+    selector.add(a)
+    for i in range(100):  # the receive op asks the selector for the role each time
+        send(b, i)
+        assert receive(a) == i
+    # Nobody receives: the selector reads into the inbox, past the ring's size.
+    send_past_the_ring(b, a, torch.ones(1 << 20, dtype=torch.uint8), 12)
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_peer_fails_its_connection_only(pairs, selector):
     errors: list[BaseException] = []
     got: list[str] = []
-    try:
-        for a, _ in pairs:
-            a.listen(got.append, errors.append)
-            selector.add(a)
-        _wait_until(lambda: selector.connections == 3)
-        pairs[1][1].close()  # the peer of connection 1 goes away
-        _wait_until(lambda: len(errors) == 1)
-        assert isinstance(errors[0], PeerLostError)
-        _wait_until(lambda: selector.connections == 2)
-        send(pairs[0][1], "still here")
-        send(pairs[2][1], "me too")
-        _wait_until(lambda: len(got) == 2)
-        assert sorted(got) == ["me too", "still here"]
-    finally:
-        selector.close()
+    for a, _ in pairs:
+        a.listen(got.append, errors.append)
+        selector.add(a)
+    _wait_until(lambda: selector.connections == 3)
+    pairs[1][1].close()  # the peer of connection 1 goes away
+    _wait_until(lambda: len(errors) == 1)
+    assert isinstance(errors[0], PeerLostError)
+    _wait_until(lambda: selector.connections == 2)
+    send(pairs[0][1], "still here")
+    send(pairs[2][1], "me too")
+    _wait_until(lambda: len(got) == 2)
+    assert sorted(got) == ["me too", "still here"]
 
 
 @pytest.mark.timeout(60)
-def test_closing_the_selector_hands_connections_back(pairs):
-    selector = Selector()
+def test_closing_the_selector_hands_connections_back(pairs, selector):
     got: list[int] = []
     a, b = pairs[0]
     a.listen(got.append, lambda exc: None)
@@ -137,9 +132,8 @@ def test_closing_the_selector_hands_connections_back(pairs):
 
 
 @pytest.mark.timeout(60)
-def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores):
+def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores, selector):
     a, b = connection_pair(stores, "g", GlooTransport)
-    selector = Selector("test-selector")
     got: list[tuple[str, str]] = []
     try:
         a.listen(lambda obj: got.append((obj, threading.current_thread().name)), lambda e: None)
@@ -149,7 +143,6 @@ def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores):
         _wait_until(lambda: len(got) == 1)
         assert got == [("over gloo", "rlcomm-recv-b")]
     finally:
-        selector.close()
         a.close()
         b.close()
 
