@@ -54,6 +54,11 @@ class PeerLostError(CommError):
     """The peer process of a communication died or closed its connection."""
 
 
+class AuthenticationError(CommError):
+    """A connection did not prove it belongs to this job (it lacks the job's secret),
+    or a peer's claimed identity does not match the registry."""
+
+
 class PeerNotFoundError(CommError):
     """The destination/source group or rank does not exist."""
 

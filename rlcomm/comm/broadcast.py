@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
+from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.base import FRAME_BYTES, fixed_frames, frame_rest
 from rlcomm.comm.transports.gloo import FOREVER, classify_error
 from rlcomm.worker.address import WorkerAddress, normalize_rank
@@ -84,7 +85,7 @@ class BroadcastGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = datetime.timedelta(seconds=timeout)
             self._nccl = dist.ProcessGroupNCCL(
-                dist.PrefixStore("nccl", self._store), self.index, len(self.members), opts
+                sub_store(self._store, "nccl"), self.index, len(self.members), opts
             )
         return self._nccl
 

@@ -14,6 +14,13 @@ allocates buffers with :func:`empty_like_meta`, receives into them and calls :fu
   are copied into the pickle; CUDA ones come back on the same device index (``cuda:1``).
 
 A message may carry zero tensors (an empty list or dict, a dataclass without tensors).
+
+*Strict mode* (:func:`set_strict_mode`, or ``RLCOMM_STRICT=1`` in the environment when
+rlcomm is imported) unpickles nothing that can run code: pickled parts may only build
+plain values (numbers, strings, bytes, lists, tuples, dicts, sets, ``None``) and tensors;
+any other class or function named in a pickle, and dataclasses sent by value, are
+refused with :class:`~rlcomm.errors.CodecError`. Tensors, containers of them, importable
+dataclasses and plain values still travel.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import dataclasses
 import importlib
 import io
 import math
+import os
 import pickle
 import threading
 from collections import ChainMap
@@ -35,6 +43,40 @@ import torch
 from rlcomm.errors import CodecError
 
 PICKLE_PROTOCOL = 5
+
+_strict = os.environ.get("RLCOMM_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def set_strict_mode(strict: bool) -> None:
+    """Refuse (True) or allow (False) received pickles that name any class or function
+    beyond plain values and tensors, in this process (see the module docstring)."""
+    global _strict
+    _strict = bool(strict)
+
+
+def strict_mode() -> bool:
+    """Whether strict mode is on in this process."""
+    return _strict
+
+
+#: What a strict unpickler may build besides the opcodes for plain values.
+_STRICT_GLOBALS = {
+    ("builtins", name)
+    for name in ("int", "float", "complex", "bool", "str", "bytes", "bytearray", "list",
+                 "tuple", "dict", "set", "frozenset", "slice", "range")
+} | {("rlcomm.comm.codec", "_rebuild_tensor"), ("_codecs", "encode")}
+
+
+class _StrictUnpickler(pickle.Unpickler):
+    """Refuses every global outside :data:`_STRICT_GLOBALS` (strict mode)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _STRICT_GLOBALS:
+            raise CodecError(
+                f"strict mode: the message names {module}.{name}, which strict mode does "
+                "not unpickle (only plain values, tensors and importable dataclasses travel)"
+            )
+        return super().find_class(module, name)
 # Every torch dtype by its short name ("float32", "bfloat16", "float8_e4m3fn", ...),
 # except the quantized ones, whose scale and zero point a header cannot carry.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -306,7 +348,11 @@ def _unpickle(data: bytes | torch.Tensor, what: str) -> Any:
         if isinstance(data, torch.Tensor):  # a zero-copy buffer for pickle
             is_flat_bytes = data.dtype is torch.uint8 and data.dim() == 1 and data.is_cpu
             data = data.numpy() if is_flat_bytes else as_bytes(data).cpu().numpy()
+        if _strict:
+            return _StrictUnpickler(io.BytesIO(data)).load()
         return pickle.loads(data)
+    except CodecError:
+        raise
     except Exception as exc:
         raise CodecError(f"cannot unpickle the received {what}: {exc}") from exc
 
@@ -459,6 +505,11 @@ def _resolve_class(path: str | bytes, cached: bool = True) -> type:
     cls = _CLASSES.get(path) if cached else None
     if cls is None:
         if isinstance(path, bytes):
+            if _strict:
+                raise CodecError(
+                    "strict mode: a dataclass sent by value (defined in a script or a "
+                    "function) is refused; define it in an importable module"
+                )
             try:
                 found: Any = cloudpickle.loads(path)
             except Exception as exc:
@@ -501,6 +552,11 @@ class _LeafUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]):
         super().__init__(file)
         self.persistent_load = lambda pid: _tensor_at(tensors, pid)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _strict:
+            return _StrictUnpickler.find_class(self, module, name)  # type: ignore[arg-type]
+        return super().find_class(module, name)
 
 
 class _Walker:

@@ -37,6 +37,7 @@ from rlcomm.comm.reading import (
     Incoming,
     StreamReader,
 )
+from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports import cuda_ipc
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.cuda_ipc import CudaIpcTransport
@@ -212,11 +213,28 @@ class Connection(StreamReader):
         if transport is None or self._error is not None:
             transport = self.wait_ready(timeout)
         frame, payload = framing.pack(header, tensors)
-        if tensors and tensors[0].is_cuda:
-            transport.send_frame(frame, [], timeout)
-            self._cuda_transport(tensors[0].device, timeout).send(payload, timeout)
-        else:
-            transport.send_frame(frame, payload, timeout)
+        try:
+            if tensors and tensors[0].is_cuda:
+                transport.send_frame(frame, [], timeout)
+                self._cuda_transport(tensors[0].device, timeout).send(payload, timeout)
+            else:
+                transport.send_frame(frame, payload, timeout)
+        except CommTimeoutError as exc:
+            if not transport.broken and not (tensors and tensors[0].is_cuda):
+                raise CommTimeoutError(
+                    f"send to {self.peer}: the peer did not take the message within "
+                    f"{timeout}s (it is not receiving, and holds as much unread data as it "
+                    "may); nothing of it was sent and the connection stays usable"
+                ) from exc
+            error = CommTimeoutError(
+                f"send to {self.peer} timed out part-way through a message ({exc}); the "
+                "connection is closed and the next op makes a new one"
+            )
+            self.fail(error)
+            raise error from exc
+        except CommError as exc:
+            self.fail(exc)
+            raise
 
     def _cuda_transport(self, device: torch.device, timeout: float) -> Transport:
         """The transport of this connection's CUDA payloads, chosen and made at the first
@@ -239,11 +257,11 @@ class Connection(StreamReader):
                 )
                 if kind == CudaIpcTransport.name:
                     self._cuda = CudaIpcTransport(
-                        dist.PrefixStore("cuda_ipc", store), self._rank, self.peer
+                        sub_store(store, "cuda_ipc"), self._rank, self.peer
                     )
                 else:
                     self._cuda = NcclTransport(
-                        dist.PrefixStore("nccl", store), self._rank, timeout, self.peer, device
+                        sub_store(store, "nccl"), self._rank, timeout, self.peer, device
                     )
             return self._cuda
 
@@ -254,6 +272,18 @@ class Connection(StreamReader):
             ticket = self._next_ticket
             self._next_ticket += 1
             return ticket
+
+    def release_ticket(self, ticket: int) -> None:
+        """Give up receive ``ticket`` if it was not served (a receive op that failed
+        before its turn): later receives then do not wait for it. Idempotent."""
+        with self._cond:
+            if ticket < self._serving or ticket in self._abandoned:
+                return
+            self._abandoned.add(ticket)
+            while self._serving in self._abandoned:
+                self._abandoned.discard(self._serving)
+                self._serving += 1
+            self._cond.notify_all()
 
     def run_async(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         with self._cond:
@@ -305,6 +335,10 @@ class Connection(StreamReader):
                 consume, result = handle(msg)
                 if consume:
                     self._inbox.popleft()
+                    was_full = self._unread >= self._max_unread
+                    self._unread -= msg.nbytes
+                    if was_full and self._unread < self._max_unread:
+                        self._wake_reader()  # it stopped at the cap: read on
             except BaseException:
                 if self._serving == ticket:
                     self._serving += 1
@@ -378,8 +412,6 @@ class Connection(StreamReader):
                 )
             return True, msg
 
-        if not tensor.is_contiguous():
-            raise ValueError("recv_tensor: the destination tensor must be contiguous")
         msg = self.receive(ticket, timeout, handle, "recv_tensor")
         if msg.deferred:
             self.read_deferred(msg, [tensor], timeout, "recv_tensor")

@@ -35,6 +35,7 @@ from rlcomm.comm.rendezvous import (
     encode,
     post,
 )
+from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
@@ -48,7 +49,7 @@ from rlcomm.errors import (
     RlcommError,
 )
 from rlcomm.worker.address import RankLike, WorkerAddress
-from rlcomm.worker.registry import registry
+from rlcomm.worker.registry import job_secret, registry
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class CommManager:
         self._endpoints: dict[WorkerAddress, Endpoint] = {}
         self._attempts = itertools.count()
         self._handshakes = concurrent.futures.ThreadPoolExecutor(16, "rlcomm-handshake")
-        self._mailbox = Mailbox(host, node_id, self._on_note)
+        self._secret = job_secret()
+        self._mailbox = Mailbox(host, node_id, self._secret, self._on_note)
         self.endpoint = self._mailbox.endpoint
         ray.get(registry().set_endpoint.remote(str(address), encode(self.endpoint)))
 
@@ -213,14 +215,15 @@ class CommManager:
         except Exception as exc:  # noqa: BLE001 - surfaces in the waiting op
             conn.fail(PeerLostError(f"connecting to {peer} failed: {exc!r}"))
 
-    def _reach(self, peer: WorkerAddress, ep: Endpoint, timeout: float) -> dist.TCPStore:
+    def _reach(self, peer: WorkerAddress, ep: Endpoint, timeout: float) -> dist.Store:
         try:
-            return connect_store(ep.host, ep.port, timeout)
-        except Exception as exc:  # noqa: BLE001 - torch raises several kinds here
+            return connect_store(ep.host, ep.port, self._secret, timeout)
+        except PeerLostError as exc:
             raise PeerLostError(
-                f"cannot reach {peer} at {ep.host}:{ep.port}; its process is probably gone "
-                f"({exc.__class__.__name__})"
+                f"cannot reach {peer} at {ep.host}:{ep.port}: its process is gone"
             ) from exc
+        except CommError as exc:
+            raise type(exc)(f"cannot reach {peer} at {ep.host}:{ep.port}: {exc}") from exc
 
     def _request(
         self, conn: Connection, peer: WorkerAddress, ep: Endpoint,
@@ -244,7 +247,7 @@ class CommManager:
         if reply.startswith(b"reject:"):
             raise OptionsMismatchError(reply[len(b"reject:"):].decode())
         conn.agreed_fields = _decode_fields(reply[len(b"ok:"):])
-        store = dist.PrefixStore(prefix, client)
+        store = sub_store(client, prefix)
         conn.attach(self._transport(store, 1, timeout, peer, ep, conn.agreed_fields), store, 1)
 
     def _transport(
@@ -260,17 +263,61 @@ class CommManager:
                 f"transport='shm' needs both workers on one x86-64 node; {peer} is not"
             )
         if choice in ("auto", "shm") and same_node and SHM_SUPPORTED:
-            return ShmTransport(store, rank, timeout, str(peer))
-        return GlooTransport(store, rank, timeout, str(peer))
+            return ShmTransport(store, rank, timeout, str(peer), peer_pid=ep.pid)
+        return GlooTransport(store, rank, timeout, str(peer), secret=self._secret)
 
     def _on_note(self, note: Note) -> None:
         if note.kind == "request":
-            self._handshakes.submit(self._accept, note)
+            self._handshakes.submit(self._guarded, self._accept, note)
         elif note.kind == "invite":
-            self._handshakes.submit(self._on_invite, note)
+            self._handshakes.submit(self._guarded, self._on_invite, note)
+        else:
+            logger.warning("mailbox of %s: a note of unknown kind %r dropped",
+                           self.address, note.kind)
+
+    def _guarded(self, handler: Callable[[Note], None], note: Note) -> None:
+        """Run a note's handler on a handshake thread; a failure is logged, never lost."""
+        try:
+            handler(note)
+        except Exception:  # noqa: BLE001 - a bad note must not go unnoticed
+            logger.exception("%s: handling a %s note from %r failed",
+                             self.address, note.kind, note.sender)
+
+    def _sender_of(self, note: Note) -> tuple[WorkerAddress, Endpoint] | None:
+        """The note's sender and its registered endpoint, when the note's claims match
+        the registry (the sender's incarnation); else None (the note is dropped)."""
+        try:
+            peer = parse_address(note.sender)
+        except ValueError:
+            logger.warning("%s: a note names no valid sender (%r); dropped",
+                           self.address, note.sender)
+            return None
+        if peer == self.address:
+            logger.warning("%s: a note claims to come from this worker; dropped", self.address)
+            return None
+        try:
+            ep = self._endpoint(peer)
+            if ep.incarnation != note.incarnation:  # the cached one may be an old process
+                self._endpoints.pop(peer, None)
+                ep = self._endpoint(peer)
+        except CommError as exc:
+            logger.warning("%s: a %s note from %s, who is not registered (%s); dropped",
+                           self.address, note.kind, peer, exc)
+            return None
+        if ep.incarnation != note.incarnation:
+            logger.warning(
+                "%s: a %s note claims to come from %s incarnation %r, but the registry "
+                "knows incarnation %r; dropped", self.address, note.kind, peer,
+                note.incarnation, ep.incarnation,
+            )
+            return None
+        return peer, ep
 
     def _on_invite(self, note: Note) -> None:
-        peer = parse_address(note.sender)
+        sender = self._sender_of(note)
+        if sender is None:
+            return
+        peer = sender[0]
         with self._lock:
             if peer in self._conns:
                 return  # connected or connecting already
@@ -280,18 +327,40 @@ class CommManager:
             logger.warning("invite from %s could not be answered: %s", peer, exc)
 
     def _accept(self, note: Note) -> None:
-        peer = parse_address(note.sender)
+        sender = self._sender_of(note)
+        if sender is None:
+            return
+        peer, ep = sender
+        expected = f"pair/{self.address}/{peer}/{self.endpoint.incarnation}/{ep.incarnation}/"
+        tail = note.prefix[len(expected):]
+        if not note.prefix.startswith(expected) or not tail.isdigit():
+            logger.warning("%s: a request from %s names a foreign prefix %r; dropped",
+                           self.address, peer, note.prefix)
+            return
+        try:
+            theirs = (
+                None if note.options is None
+                else CollectiveGroupOptions.from_group_fields(note.options).group_fields()
+            )
+        except (TypeError, ValueError) as exc:
+            logger.warning("%s: a request from %s has invalid options (%s); dropped",
+                           self.address, peer, exc)
+            return
         timeout = default_timeout()
         with self._lock:
+            old = self._conns.get(peer)
+            if old is not None and (old.attached or old.error is not None):
+                del self._conns[peer]  # forgotten here; failed below, outside the lock
+            else:
+                old = None
             conn = self._conns.get(peer)
-            if conn is not None and (conn.attached or conn.error is not None):
-                conn.fail(PeerLostError(f"{peer} reconnected; the old connection is closed"))
-                conn = None
             if conn is None:
                 conn = self._new_connection(peer, None)
+        if old is not None:
+            # Never under the lock: failing calls on_lost, which takes it again.
+            old.fail(PeerLostError(f"{peer} reconnected; the old connection is closed"))
         mine = conn.requested_options
         mine_fields = mine.group_fields() if mine is not None else None
-        theirs = note.options
         client = self._mailbox.client(timeout)
         reply_key = f"{note.prefix}/reply"
         if mine_fields is not None and theirs is not None and mine_fields != theirs:
@@ -305,9 +374,8 @@ class CommManager:
         agreed = theirs if theirs is not None else mine_fields
         conn.agreed_fields = agreed
         client.set(reply_key, b"ok:" + _encode_fields(agreed))
-        store = dist.PrefixStore(note.prefix, client)
+        store = sub_store(client, note.prefix)
         try:
-            ep = self._endpoint(peer)
             conn.attach(self._transport(store, 0, timeout, peer, ep, agreed), store, 0)
         except CommError as exc:
             conn.fail(exc)
@@ -354,6 +422,8 @@ class CommManager:
         self, src: WorkerAddress, async_op: bool, options: CollectiveGroupOptions | None,
         into: torch.Tensor | None = None,
     ) -> Any:
+        if into is not None and not into.is_contiguous():
+            raise ValueError("recv_tensor: the destination tensor must be contiguous")
         conn = self.connection(src, options)
         ticket = conn.take_ticket()
         timeout = op_timeout(options)
@@ -362,10 +432,13 @@ class CommManager:
             device = torch.device("cuda", torch.cuda.current_device())
 
         def run() -> Any:
-            self._check_first_contact(conn, options, timeout)
-            if into is not None:
-                return conn.recv_tensor_into(ticket, into, timeout)
-            return conn.recv_object(ticket, timeout, device)
+            try:
+                self._check_first_contact(conn, options, timeout)
+                if into is not None:
+                    return conn.recv_tensor_into(ticket, into, timeout)
+                return conn.recv_object(ticket, timeout, device)
+            finally:
+                conn.release_ticket(ticket)  # a no-op once served
 
         if async_op:
             what = f"{'recv_tensor' if into is not None else 'recv'} at {self.address} from {src}"
@@ -419,7 +492,7 @@ class CommManager:
                 self._mailbox.client(timeout) if members[0] == self.address
                 else self._reach(members[0], eps[0], timeout)
             )
-            return dist.PrefixStore(f"bcast/{digest}", client)
+            return sub_store(client, f"bcast/{digest}")
 
         group = BroadcastGroup(
             connect_store_of_leader, list(members), members.index(self.address)

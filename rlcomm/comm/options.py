@@ -76,6 +76,38 @@ class CollectiveGroupOptions:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+#: Received-but-unread bytes one connection may hold before it stops reading (the sender
+#: then waits, and times out with a clear error): ``RLCOMM_MAX_UNREAD_BYTES``, 1 GiB.
+MAX_UNREAD_ENV = "RLCOMM_MAX_UNREAD_BYTES"
+#: Largest message (all its tensors together) a receiver accepts; a header declaring more
+#: closes the connection before anything is allocated: ``RLCOMM_MAX_MESSAGE_BYTES``, 32 GiB.
+MAX_MESSAGE_ENV = "RLCOMM_MAX_MESSAGE_BYTES"
+_limits = {
+    "unread": int(os.environ.get(MAX_UNREAD_ENV, 1 << 30)),
+    "message": int(os.environ.get(MAX_MESSAGE_ENV, 32 << 30)),
+}
+
+
+def max_unread_bytes() -> int:
+    """The cap on a connection's received-but-unread bytes (see :data:`MAX_UNREAD_ENV`)."""
+    return _limits["unread"]
+
+
+def max_message_bytes() -> int:
+    """The largest message a receiver accepts (see :data:`MAX_MESSAGE_ENV`)."""
+    return _limits["message"]
+
+
+def set_memory_limits(max_unread: int | None = None, max_message: int | None = None) -> None:
+    """Change this process's memory limits: ``max_unread`` bytes held unread per
+    connection (connections made from now on), ``max_message`` bytes per message."""
+    for key, value in (("unread", max_unread), ("message", max_message)):
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"memory limits must be > 0 bytes, got {value}")
+            _limits[key] = int(value)
+
+
 def op_timeout(options: CollectiveGroupOptions | None) -> float:
     if options is None or options.timeout is None:
         return default_timeout()

@@ -8,6 +8,17 @@ role itself (waking the receiver thread out of its poll through a pipe if needed
 reads its own message, which saves a thread hop per message; the receiver thread takes
 the role back once no op has read for :data:`LINGER` seconds.
 
+Once a message's frame has been read, the rest of it (the frame's tail, the payload)
+must arrive within a deadline: the waiting op's, or :func:`default_timeout` for the
+receiver thread. A sender stalled mid-message fails the connection with
+:class:`CommTimeoutError` instead of holding the reader forever. Frames declaring more
+than :func:`max_message_bytes` fail the connection before anything is allocated.
+
+Memory is bounded: the receiver thread (or selector) stops reading while the inbox holds
+:func:`max_unread_bytes` or more, so a sender to a worker that never receives fills the
+transport and then waits (its send times out with a clear error); a receive op that
+takes a message lets reading go on.
+
 CPU payloads are read eagerly into fresh tensors. A ``send_tensor`` payload (read in
 place into the caller's buffer) or a CUDA payload (read on the caller's device) *stalls*
 the stream until the receive op that takes the message reads the payload itself.
@@ -32,8 +43,9 @@ import torch
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import Kind, MessageHeader
+from rlcomm.comm.options import default_timeout, max_message_bytes, max_unread_bytes
 from rlcomm.comm.transports.base import Transport
-from rlcomm.errors import CodecError, CommError, PeerLostError
+from rlcomm.errors import CodecError, CommError, PeerLostError, ProtocolMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +76,7 @@ class Incoming:
         self.inline = inline
         self.tensors: list[torch.Tensor] | None = None
         self.deferred = False
+        self.nbytes = len(inline)  # what it holds in memory while unread
 
 
 class StreamReader:
@@ -85,6 +98,8 @@ class StreamReader:
         # messages to receive ops does not wake it each time.
         self._receiver_wake = threading.Condition(lock)
         self._inbox: deque[Incoming] = deque()
+        self._unread = 0  # bytes held by the inbox's messages
+        self._max_unread = max_unread_bytes()
         self._role: str | None = None  # who may read from the transport
         self._wanting = 0  # receive ops waiting for the receiver thread to leave the role
         self._last_read = 0.0  # when a receive op last left the role
@@ -103,17 +118,33 @@ class StreamReader:
 
     # -- the role and the receiver thread ------------------------------------------------------
 
-    def _read_message(self, transport: Transport) -> Incoming:
-        """Read the next message; with a deferred payload, only its frame."""
-        msg = Incoming(*framing.unpack(transport.recv_frame(None)))
+    def _read_message(self, transport: Transport, rest: float | None = None) -> Incoming:
+        """Read the next message; with a deferred payload, only its frame. Once the frame
+        has begun, the rest must come within ``rest`` seconds (default: the default op
+        timeout)."""
+        rest = default_timeout() if rest is None else max(rest, 0.001)
+        msg = Incoming(*framing.unpack(transport.recv_frame(None, rest)))
         header = msg.header
         metas = header.tensors
+        total = sum(m.nbytes for m in metas)
+        if total > max_message_bytes():
+            raise ProtocolMismatchError(
+                f"a message from {self.peer} declares {total} bytes, over this worker's "
+                f"limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES); the connection "
+                "is closed"
+            )
         if header.inline or not metas:
+            if header.inline != total or len(msg.inline) != total:
+                raise ProtocolMismatchError(
+                    f"a message from {self.peer} declares {total} bytes but carries "
+                    f"{header.inline} inline; the connection is closed"
+                )
             if header.kind != Kind.RAW:
                 msg.tensors = framing.split_inline(header, msg.inline)
         elif header.kind != Kind.RAW and not metas[0].device.startswith("cuda"):
-            payload = transport.recv_new([m.nbytes for m in metas if m.nbytes], None)
+            payload = transport.recv_new([m.nbytes for m in metas if m.nbytes], rest)
             msg.tensors = framing.tensors_from_payload(header, payload)
+            msg.nbytes += total
         else:
             msg.deferred = True
         return msg
@@ -122,6 +153,7 @@ class StreamReader:
         """Queue what the role holder read and free the role (call holding ``_cond``)."""
         if msg is not None:
             self._inbox.append(msg)
+            self._unread += msg.nbytes
         stall_ends = self._role == ROLE_CLAIMANT
         self._role = ROLE_STALLED if msg is not None and msg.deferred else None
         if by_caller:
@@ -134,7 +166,7 @@ class StreamReader:
 
     def _receiver_may_read(self, pollable: bool) -> bool:
         """Whether the reader (receiver thread or selector) may take the role now."""
-        if self._role is not None:
+        if self._role is not None or self._unread >= self._max_unread:
             return False
         return not pollable or (
             self._wanting == 0 and time.monotonic() - self._last_read >= LINGER
@@ -202,10 +234,11 @@ class StreamReader:
         transport = self._transport
         self._role = ROLE_CALLER
         msg = None
+        deadline = time.monotonic() + remaining
         self._cond.release()
         try:
             if transport.poll(remaining, self._wake_r if wakeable else None):
-                msg = self._read_message(transport)
+                msg = self._read_message(transport, deadline - time.monotonic())
                 if self._listener is not None:
                     self._dispatch(transport, msg)
                     msg = None
@@ -255,8 +288,8 @@ class StreamReader:
             if buffers and buffers[0].is_cuda:
                 self._cuda_transport(buffers[0].device, timeout).recv_into(buffers, timeout)
             else:
-                # The payload follows its frame; only a dead peer stops it (seen at once).
-                transport.recv_into([codec.as_bytes(b) for b in buffers if b.numel()], None)
+                # The payload follows its frame: it must come within the op's timeout.
+                transport.recv_into([codec.as_bytes(b) for b in buffers if b.numel()], timeout)
         except CommError as exc:
             self.fail(exc)
             raise
@@ -281,7 +314,7 @@ class StreamReader:
         """Complete ``msg`` and hand it to the listener (the role holder, no lock held)."""
         if msg.deferred:  # read it now: on CPU, or this thread's CUDA device
             msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
-            self._read_payload(transport, msg.tensors, 600.0)
+            self._read_payload(transport, msg.tensors, default_timeout())
         try:
             obj = codec.decode(msg.header, msg.tensors)
         except CodecError:

@@ -1,27 +1,34 @@
 """Rendezvous: each worker's mailbox store, and the notes workers leave in each other's.
 
-Every communicating process runs a ``TCPStore`` server on a free port of its node (its
-*mailbox*) and publishes the address in the registry. A worker that wants a connection
-leaves a note in the peer's mailbox; a thread of the peer reads notes in order and
-answers, so a connection forms even while the peer's own code is busy elsewhere. The
-stores also carry the connections' Gloo/NCCL rendezvous keys, under prefixes private to
-each connection. No fixed ports, no call-order dependence.
+Every communicating process runs an authenticated store (:mod:`rlcomm.comm.store`) on
+its node's address (its *mailbox*) and publishes the address in the registry. Only
+processes that hold the job's secret can connect to it, read a key or leave a note. A
+worker that wants a connection leaves a note in the peer's mailbox; a thread of the peer
+reads notes in order and answers, so a connection forms even while the peer's own code
+is busy elsewhere. A note that cannot be decoded is logged and skipped. The stores also
+carry the connections' Gloo/NCCL rendezvous keys, under prefixes private to each
+connection. No fixed ports, no call-order dependence.
 """
-
 from __future__ import annotations
 
-import datetime
 import logging
+import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
 import msgspec
 import torch.distributed as dist
 
+from rlcomm.comm.store import StoreClient, StoreServer, local_reader
+
 logger = logging.getLogger(__name__)
 
-_WEEK = datetime.timedelta(days=7)
+#: Seconds between the mailbox reader's looks at whether it was closed.
+_READ_SLICE = 1.0
+#: Seconds a numbered note may be missing while later ones wait before it is skipped.
+_GAP_SECONDS = 10.0
 
 
 class Endpoint(msgspec.Struct, frozen=True):
@@ -61,11 +68,9 @@ def decode_endpoint(data: bytes) -> Endpoint:
     return _decode_endpoint(data)
 
 
-def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """A client connection to a mailbox store."""
-    return dist.TCPStore(
-        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
-    )
+def connect_store(host: str, port: int, secret: bytes, timeout: float) -> StoreClient:
+    """An authenticated client connection to a mailbox store."""
+    return StoreClient(host, port, secret, timeout)
 
 
 def post(store: dist.Store, note: Note) -> None:
@@ -78,40 +83,61 @@ class Mailbox:
     """This process's store server and the thread that reads its notes.
 
     Args:
-        host: the node address peers connect to.
+        host: the node address peers connect to (the server binds to it alone).
         node_id: the Ray node id (peers use it to pick same-node transports).
+        secret: the job's secret, which every client of the store must prove.
         on_note: called on the reader thread for every note but ``stop``.
     """
 
-    def __init__(self, host: str, node_id: str, on_note: Callable[[Note], None]):
-        self._server = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=60),
-        )
+    def __init__(
+        self, host: str, node_id: str, secret: bytes, on_note: Callable[[Note], None]
+    ):
+        self._secret = secret
+        self._server = StoreServer(host, secret)
         self.endpoint = Endpoint(
             host=host, port=self._server.port, node_id=node_id,
-            incarnation=uuid.uuid4().hex[:12], pid=_pid(),
+            incarnation=uuid.uuid4().hex[:12], pid=os.getpid(),
         )
         self._on_note = on_note
-        self._reader = connect_store(host, self._server.port, _WEEK.total_seconds())
+        self._read = local_reader(self._server)
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._read_notes, name="rlcomm-mailbox", daemon=True)
         self._thread.start()
 
-    def client(self, timeout: float) -> dist.TCPStore:
+    def _posted(self) -> int:
+        with self._server.table.cond:
+            return int(self._server.table.data.get("inbox/count", b"0"))
+
+    @property
+    def rejected(self) -> int:
+        """Connections to this mailbox that failed authentication so far."""
+        return self._server.rejected
+
+    def client(self, timeout: float) -> StoreClient:
         """A new client connection to this mailbox (one per connection that uses it)."""
-        return connect_store(self.endpoint.host, self.endpoint.port, timeout)
+        return connect_store(self.endpoint.host, self.endpoint.port, self._secret, timeout)
 
     def _read_notes(self) -> None:
         n = 1
-        while True:
-            key = f"inbox/{n}"
+        missing_since: float | None = None
+        while not self._closed.is_set():
+            data = self._read(f"inbox/{n}", _READ_SLICE)
+            if data is None:
+                # A poster that died between numbering its note and writing it leaves a
+                # gap: skip it once later notes wait behind it for a while.
+                if self._posted() > n:
+                    now = time.monotonic()
+                    missing_since = missing_since or now
+                    if now - missing_since > _GAP_SECONDS:
+                        logger.warning("mailbox note %d never came; skipped", n)
+                        n, missing_since = n + 1, None
+                continue
+            n, missing_since = n + 1, None
             try:
-                self._reader.wait([key])
-                note = _decode_note(self._reader.get(key))
-            except Exception:  # noqa: BLE001 - a dead mailbox ends the reader, logged
-                logger.exception("mailbox reader stopped")
-                return
-            n += 1
+                note = _decode_note(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("mailbox note %d cannot be decoded (%s); skipped", n - 1, exc)
+                continue
             if note.kind == "stop":
                 return
             try:
@@ -120,11 +146,6 @@ class Mailbox:
                 logger.exception("handling %s note from %s failed", note.kind, note.sender)
 
     def close(self) -> None:
-        post(self.client(10.0), Note("stop"))
+        self._closed.set()
         self._thread.join(timeout=10)
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
+        self._server.close()

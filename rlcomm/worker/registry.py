@@ -7,6 +7,7 @@ once per peer and cached, never on a message's data path.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -21,6 +22,13 @@ class _Registry:
     def __init__(self) -> None:
         self._groups: dict[str, dict[str, Any]] = {}
         self._endpoints: dict[str, Any] = {}
+        # The job's secret: every rlcomm store and transport handshake proves it. Only
+        # processes that can call this actor (members of the Ray cluster, behind Ray's
+        # own authentication) can get it.
+        self._secret = os.urandom(32)
+
+    def secret(self) -> bytes:
+        return self._secret
 
     def reserve_group(self, name: str) -> bool:
         if name in self._groups:
@@ -70,3 +78,19 @@ def registry():
             )
             _handle = (job, actor)
         return _handle[1]
+
+
+_secret: tuple[str, bytes] | None = None
+
+
+def job_secret() -> bytes:
+    """The job's secret (fetched from the registry once per Ray job of this process)."""
+    global _secret
+    ctx = ray.get_runtime_context()
+    job = f"{ctx.gcs_address}/{ctx.get_job_id()}"
+    cached = _secret
+    if cached is not None and cached[0] == job:
+        return cached[1]
+    value = ray.get(registry().secret.remote(), timeout=60)
+    _secret = (job, value)
+    return value

@@ -51,6 +51,10 @@ class Transport(ABC):
 
     #: Short name used in logs and benchmarks ("gloo", "nccl", "shm").
     name: str = "?"
+    #: Set when a send failed after part of a message had left: the stream is out of
+    #: step, and the transport must not carry another message. A send that fails with
+    #: this still False sent nothing (the caller may go on using the transport).
+    broken: bool = False
     #: Whether :meth:`poll` works: a receiver can then wait for the next frame without
     #: committing to receive it, and any thread may read (one at a time).
     pollable: bool = False
@@ -84,14 +88,21 @@ class Transport(ABC):
         """
         self.send([*fixed_frames(frame), *payload], timeout)
 
-    def recv_frame(self, timeout: float | None) -> bytes:
-        """Receive the next frame sent with :meth:`send_frame` (its payload follows)."""
+    def recv_frame(self, timeout: float | None, rest: float | None = None) -> bytes:
+        """Receive the next frame sent with :meth:`send_frame` (its payload follows).
+
+        Args:
+            timeout: seconds to wait for the frame to begin (``None``: while the peer
+                is alive).
+            rest: seconds the rest of the frame may take once it began (default:
+                ``timeout``).
+        """
         first = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         self.recv_into([first], timeout)
-        data, rest = frame_rest(first)
-        if rest:
-            more = torch.empty(rest, dtype=torch.uint8)
-            self.recv_into([more], timeout)
+        data, more_bytes = frame_rest(first)
+        if more_bytes:
+            more = torch.empty(more_bytes, dtype=torch.uint8)
+            self.recv_into([more], timeout if rest is None else rest)
             data += more.numpy().tobytes()
         return data
 

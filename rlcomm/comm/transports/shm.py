@@ -82,19 +82,26 @@ class ShmTransport(Transport):
         rank: 0 or 1.
         timeout: seconds the rendezvous may take.
         peer: how error messages name the other end.
+        peer_pid: the peer's process id: the set-up sockets accept only that process
+            of this user (``None``: any process of this user).
     """
 
     name = "shm"
     pollable = True
 
-    def __init__(self, store: dist.Store, rank: int, timeout: float, peer: str):
+    def __init__(
+        self, store: dist.Store, rank: int, timeout: float, peer: str,
+        peer_pid: int | None = None,
+    ):
         self._peer = peer
         self._closed = False
         deadline = time.monotonic() + timeout
         out_fd, out_mm = new_memfd("rlcomm-ring", CTRL_BYTES + RING_BYTES)
         self._out = Ring(out_mm)
         try:
-            self._signals, in_fd = SignalSockets.rendezvous(store, rank, out_fd, deadline, peer)
+            self._signals, in_fd = SignalSockets.rendezvous(
+                store, rank, out_fd, deadline, peer, peer_pid
+            )
         finally:
             os.close(out_fd)
         self._out_sock, self._in_sock = self._signals.out, self._signals.inn
@@ -163,11 +170,12 @@ class ShmTransport(Transport):
             if done < total:
                 self._wake_reader()
 
-    def _wait_space(self, deadline: float) -> None:
+    def _wait_space(self, deadline: float, need: int = 1) -> None:
+        """Wait until the ring has ``need`` free bytes (at most its size)."""
         words = self._out.words
         self._wake_reader()  # the receiver may be asleep with data waiting
         words[WAITING // 8] = 1
-        while self._space() == 0:
+        while self._space() < need:
             if time.monotonic() > deadline:
                 words[WAITING // 8] = 0
                 raise CommTimeoutError(f"shm send to {self._peer} timed out (ring full)")
@@ -179,25 +187,91 @@ class ShmTransport(Transport):
                 pass
         words[WAITING // 8] = 0
 
-    def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
+    def _check_usable(self) -> None:
         if self._closed:
             raise self._lost("shm send")
+        if self.broken:
+            raise PeerLostError(
+                f"shm stream to {self._peer} is out of step after a send failed part-way"
+            )
+
+    def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
+        self._check_usable()
         deadline = time.monotonic() + timeout
-        self._send_payload(tensors, deadline)
+        try:
+            self._send_payload(tensors, deadline)
+        except BaseException:
+            self.broken = True
+            raise
         self._wake_reader()
 
     def send_frame(self, frame: bytes, payload: Sequence[torch.Tensor], timeout: float) -> None:
-        if self._closed:
-            raise self._lost("shm send")
+        """Send a frame and its payload. It waits for ring space for the whole frame
+        before writing any of it, so a send that times out there sent nothing; one that
+        fails later marks the transport :attr:`broken`."""
+        self._check_usable()
         deadline = time.monotonic() + timeout
-        self._write(_RECORD.pack(_FRAME, 0, len(frame)) + frame, deadline)
-        self._send_payload(payload, deadline)
+        record = _RECORD.pack(_FRAME, 0, len(frame)) + frame
+        segments = self._reserve(len(record), payload, deadline)
+        try:
+            self._write(record, deadline)
+            self._send_payload(payload, deadline, segments)
+        except BaseException:
+            self.broken = True
+            raise
         self._wake_reader()
 
-    def _send_payload(self, tensors: Sequence[torch.Tensor], deadline: float) -> None:
-        for t in tensors:
+    def _reserve(
+        self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float
+    ) -> list[Segment | None]:
+        """Before a message is written: take a segment for each large tensor and wait
+        for ring space for the rest, so that writing it cannot stall on a receiver that
+        stopped reading. On timeout nothing was written (the segments go back).
+
+        A message too large for that (more large tensors than half the segments in
+        flight, or more ring bytes than the ring) is written as it goes instead."""
+        sizes = [t.numel() for t in payload]
+        large = [i for i, n in enumerate(sizes) if n >= SEGMENT_THRESHOLD]
+        segments: list[Segment | None] = [None] * len(sizes)
+        in_ring = frame_bytes + _RECORD.size * len(sizes) + sum(
+            n for n in sizes if n < SEGMENT_THRESHOLD
+        )
+        if len(large) > _MAX_IN_FLIGHT // 2 or in_ring > RING_BYTES:
+            return segments
+        words = self._out.words
+        while True:
+            for i in large:
+                if segments[i] is None:
+                    segments[i] = self._pool.take(sizes[i], deadline)
+            if all(segments[i] is not None for i in large) and self._space() >= in_ring:
+                words[WAITING // 8] = 0
+                return segments
+            if time.monotonic() > deadline:
+                words[WAITING // 8] = 0
+                for seg in segments:
+                    if seg is not None:
+                        release_segment(self._out.states, seg.id)
+                raise CommTimeoutError(
+                    f"shm send to {self._peer} timed out before it began: the receiver "
+                    "holds all the ring and segments it may (it is not reading)"
+                )
+            self._wake_reader()  # the receiver may be asleep with data waiting
+            words[WAITING // 8] = 1  # it sends a token when it frees ring space
+            try:
+                self._read_sock(self._out_sock, True, min(deadline, time.monotonic() + 0.002),
+                                "shm send")
+            except CommTimeoutError:
+                pass
+
+    def _send_payload(
+        self, tensors: Sequence[torch.Tensor], deadline: float,
+        segments: Sequence[Segment | None] | None = None,
+    ) -> None:
+        for k, t in enumerate(tensors):
             n = t.numel()
-            seg = self._pool.take(n, deadline) if n >= SEGMENT_THRESHOLD else None
+            seg = segments[k] if segments is not None else None
+            if seg is None and n >= SEGMENT_THRESHOLD:
+                seg = self._pool.take(n, deadline)
             if seg is not None:
                 seg.tensor[:n].copy_(t)
                 self._write(_RECORD.pack(_SEGMENT, seg.id, n), deadline)
@@ -317,7 +391,7 @@ class ShmTransport(Transport):
                 f"payload, the peer sent {got} bytes"
             )
 
-    def recv_frame(self, timeout: float | None) -> bytes:
+    def recv_frame(self, timeout: float | None, rest: float | None = None) -> bytes:
         if self._closed:
             raise self._lost("shm recv")
         frame = self._frame_in_place()
@@ -327,6 +401,8 @@ class ShmTransport(Transport):
         kind, _, n = self._next_record(deadline)
         if kind != _FRAME:
             raise PeerLostError(f"shm stream with {self._peer} is out of step: expected a frame")
+        if rest is not None:
+            deadline = time.monotonic() + rest
         return self._read(None, n, deadline)
 
     def recv_into(self, tensors: Sequence[torch.Tensor], timeout: float | None) -> None:

@@ -4,12 +4,15 @@ Per connection, ``out`` carries this side's wake-up tokens and new segment fds t
 peer (and the peer's ring-space tokens back); ``inn`` the same the other way. They are
 bound to an abstract name (nothing in the file system) that rank 0 publishes in the
 rendezvous store, and each ring's memfd is passed over them once (SCM_RIGHTS). A closed
-socket is how a peer's death is seen.
+socket is how a peer's death is seen. Both ends check the other's credentials as the
+kernel reports them (``SO_PEERCRED``): this user, and the peer's expected process.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import select
 import socket
 import struct
@@ -18,7 +21,10 @@ import uuid
 
 import torch.distributed as dist
 
-from rlcomm.errors import CommTimeoutError, PeerLostError
+from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+
+logger = logging.getLogger(__name__)
+_CRED = struct.Struct("3i")  # pid, uid, gid
 
 _TOKEN = b"t"
 _FD_BYTES = 4  # a C int
@@ -28,6 +34,13 @@ _SEGMENT = struct.Struct("<IQ")  # segment id, size: the data of an fd message a
 
 def _seqpacket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def _credentials_ok(sock: socket.socket, peer_pid: int | None) -> bool:
+    """Whether the process at the other end of ``sock`` runs as this user and, when
+    ``peer_pid`` is given, is that process."""
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return uid == os.getuid() and (peer_pid is None or pid == peer_pid)
 
 
 def _fds_of(ancillary: list) -> list[int]:
@@ -58,19 +71,23 @@ class SignalSockets:
 
     @classmethod
     def rendezvous(
-        cls, store: dist.Store, rank: int, out_fd: int, deadline: float, peer: str
+        cls, store: dist.Store, rank: int, out_fd: int, deadline: float, peer: str,
+        peer_pid: int | None = None,
     ) -> tuple[SignalSockets, int]:
         """Connect the pair (rank 0 listens) and swap ring memfds: ``out_fd`` goes to the
-        peer; returns the sockets and the peer's ring fd (the caller closes it)."""
+        peer; returns the sockets and the peer's ring fd (the caller closes it).
+        Connections from any process but ``peer_pid`` of this user are refused."""
         try:
             if rank == 0:
-                return cls._listen(store, out_fd, deadline, peer)
-            return cls._connect(store, out_fd, deadline, peer)
+                return cls._listen(store, out_fd, deadline, peer, peer_pid)
+            return cls._connect(store, out_fd, deadline, peer, peer_pid)
         except (TimeoutError, OSError, RuntimeError) as exc:
             raise CommTimeoutError(f"shm rendezvous with {peer} failed: {exc}") from exc
 
     @classmethod
-    def _listen(cls, store: dist.Store, out_fd: int, deadline: float, peer: str):
+    def _listen(
+        cls, store: dist.Store, out_fd: int, deadline: float, peer: str, peer_pid: int | None
+    ):
         server = _seqpacket()
         name = f"\0rlcomm-shm-{uuid.uuid4().hex}"
         server.bind(name)
@@ -82,8 +99,18 @@ class SignalSockets:
             while len(socks) < 2:
                 server.settimeout(max(0.01, deadline - time.monotonic()))
                 conn, _ = server.accept()
+                if not _credentials_ok(conn, peer_pid):
+                    logger.warning("shm set-up for %s: a connection from another process "
+                                   "was refused", peer)
+                    conn.close()
+                    continue
                 conn.settimeout(max(0.01, deadline - time.monotonic()))
                 role, fds, _, _ = socket.recv_fds(conn, 16, 1)
+                if role not in (b"peer->me", b"me->peer") or role in socks:
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+                    raise AuthenticationError(f"shm set-up with {peer}: unexpected role {role!r}")
                 socks[role] = conn
                 if role == b"peer->me":  # carries the peer's ring fd
                     in_fd = fds[0]
@@ -93,13 +120,22 @@ class SignalSockets:
         return cls(socks[b"me->peer"], socks[b"peer->me"], peer), in_fd
 
     @classmethod
-    def _connect(cls, store: dist.Store, out_fd: int, deadline: float, peer: str):
+    def _connect(
+        cls, store: dist.Store, out_fd: int, deadline: float, peer: str, peer_pid: int | None
+    ):
         store.wait(["shm/addr"])
         name = store.get("shm/addr").decode()
+        if not name.startswith("\0rlcomm-shm-"):
+            raise AuthenticationError(f"shm set-up with {peer}: unexpected socket name {name!r}")
         # Roles are named from the listener's side.
         mine_out = _seqpacket()
         mine_out.settimeout(max(0.01, deadline - time.monotonic()))
         mine_out.connect(name)
+        if not _credentials_ok(mine_out, peer_pid):
+            mine_out.close()
+            raise AuthenticationError(
+                f"shm set-up with {peer}: the socket belongs to another process"
+            )
         socket.send_fds(mine_out, [b"peer->me"], [out_fd])
         mine_in = _seqpacket()
         mine_in.settimeout(max(0.01, deadline - time.monotonic()))
