@@ -2,9 +2,11 @@
 
 from rlcomm.channel import Channel
 from rlcomm.cluster import Cluster
-from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout
+from rlcomm.comm.codec import set_strict_mode
+from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout, set_memory_limits
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
+    AuthenticationError,
     ChannelClosedError,
     ChannelEmpty,
     ChannelError,
@@ -41,6 +43,9 @@ __all__ = [
     "AsyncWork",
     "CollectiveGroupOptions",
     "set_default_timeout",
+    "set_memory_limits",
+    "set_strict_mode",
+    "AuthenticationError",
     "Channel",
     "ChannelClosedError",
     "ChannelEmpty",

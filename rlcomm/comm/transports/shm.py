@@ -212,7 +212,10 @@ class ShmTransport(Transport):
         self._check_usable()
         deadline = time.monotonic() + timeout
         record = _RECORD.pack(_FRAME, 0, len(frame)) + frame
-        segments = self._reserve(len(record), payload, deadline)
+        if payload or self._space() < len(record):
+            segments = self._reserve(len(record), payload, deadline)
+        else:  # the common small message: room in the ring, nothing to reserve
+            segments = ()
         try:
             self._write(record, deadline)
             self._send_payload(payload, deadline, segments)
@@ -269,7 +272,7 @@ class ShmTransport(Transport):
     ) -> None:
         for k, t in enumerate(tensors):
             n = t.numel()
-            seg = segments[k] if segments is not None else None
+            seg = segments[k] if segments else None
             if seg is None and n >= SEGMENT_THRESHOLD:
                 seg = self._pool.take(n, deadline)
             if seg is not None:
