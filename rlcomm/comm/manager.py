@@ -261,7 +261,7 @@ class CommManager:
             )
         if choice in ("auto", "shm") and same_node and SHM_SUPPORTED:
             return ShmTransport(store, rank, timeout, str(peer))
-        return GlooTransport(store, rank, timeout, str(peer))
+        return GlooTransport(store, rank, timeout, str(peer), host=self.endpoint.host)
 
     def _on_note(self, note: Note) -> None:
         if note.kind == "request":
@@ -422,7 +422,8 @@ class CommManager:
             return dist.PrefixStore(f"bcast/{digest}", client)
 
         group = BroadcastGroup(
-            connect_store_of_leader, list(members), members.index(self.address)
+            connect_store_of_leader, list(members), members.index(self.address),
+            host=self.endpoint.host,
         )
         with self._lock:
             return self._bcast.setdefault(members, group)

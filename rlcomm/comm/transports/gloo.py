@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,44 @@ def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
     )
 
 
+def new_gloo_group(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str | None
+) -> dist.ProcessGroupGloo:
+    """A ``ProcessGroupGloo`` whose sockets bind to ``host``.
+
+    Left alone, Gloo binds to the address this machine's hostname resolves to (often a
+    loopback address, or one that only some network namespace of the machine has)
+    unless ``GLOO_SOCKET_IFNAME`` names interfaces. rlcomm passes the node IP that Ray
+    reports, so peers on other nodes can reach it with no variable set. A
+    ``GLOO_SOCKET_IFNAME`` the user sets still wins (torch's own handling).
+
+    Args:
+        store: the rendezvous store.
+        rank, size: this process's rank and the group's size.
+        timeout: the group's timeout (rendezvous and default op timeout).
+        host: the address to bind to; ``None`` or ``""`` leaves the choice to Gloo.
+
+    Raises:
+        CommError: ``host`` is not an address of this machine.
+        RuntimeError: from torch, when the rendezvous fails (callers classify it).
+    """
+    if not host or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    try:
+        device = dist.ProcessGroupGloo.create_device(hostname=host)
+    except RuntimeError as exc:
+        raise CommError(
+            f"Gloo cannot bind to {host!r}, the node IP Ray reports: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; start Ray with "
+            "this node's address (ray start --node-ip-address) or set GLOO_SOCKET_IFNAME"
+        ) from exc
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [device]
+    opts._threads = 2  # what torch picks for one device
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
 def as_flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's memory (any dtype, 0-d included)."""
     return t.reshape(-1).view(torch.uint8)
@@ -39,16 +78,18 @@ class GlooTransport(Transport):
         rank: 0 or 1.
         timeout: seconds the rendezvous may take.
         peer: how error messages name the other end.
+        host: the local address Gloo binds to (the node IP Ray reports); ``None`` leaves
+            the choice to Gloo (see :func:`new_gloo_group`).
     """
 
     name = "gloo"
 
-    def __init__(self, store: dist.Store, rank: int, timeout: float, peer: str):
+    def __init__(
+        self, store: dist.Store, rank: int, timeout: float, peer: str, host: str | None = None
+    ):
         self._peer = peer
         try:
-            self._pg = dist.ProcessGroupGloo(
-                store, rank, 2, datetime.timedelta(seconds=timeout)
-            )
+            self._pg = new_gloo_group(store, rank, 2, datetime.timedelta(seconds=timeout), host)
         except RuntimeError as exc:
             raise classify_error(exc, "gloo rendezvous", peer) from exc
         self._other = 1 - rank
