@@ -26,6 +26,7 @@ from rlcomm.comm.transports.gloo import new_gloo_group
 
 GROUP = "netns_peers"
 WAIT = 60.0  # seconds any one step may take
+START_WAIT = 100.0  # for the nodes and the first worker processes (slow on a busy machine)
 
 
 class Peer(Worker):
@@ -109,9 +110,9 @@ def _run(ray_address: str, ips: list[str], result: dict) -> None:
     def step(name: str) -> None:
         result["steps"].append([name, round(time.monotonic() - t0, 1)])
 
-    _wait_for_port(ray_address, WAIT)
+    _wait_for_port(ray_address, START_WAIT)
     ray.init(address=ray_address, logging_level="WARNING")
-    cluster = Cluster(num_nodes=2, timeout=WAIT)
+    cluster = Cluster(num_nodes=2, timeout=START_WAIT)
     result["node_ips"] = [n.ip for n in cluster.nodes]
     assert result["node_ips"] == ips, f"nodes {result['node_ips']} != {ips}"
     assert ray.util.get_node_ip_address() == ips[0], "the driver is not on node 0"
@@ -120,7 +121,7 @@ def _run(ray_address: str, ips: list[str], result: dict) -> None:
     peers = Peer.create_group().launch(cluster, NodePlacementStrategy([0, 1]), name=GROUP)
     channel = Channel.create("netns_ch", maxsize=32, distributed=True, cluster=cluster)
     try:
-        facts = peers.facts().wait(timeout=WAIT)
+        facts = peers.facts().wait(timeout=START_WAIT)
         result["facts"] = facts
         assert [f["ip"] for f in facts] == ips, f"ranks on {facts}"
         assert all(f["gloo_socket_ifname"] is None for f in facts), "GLOO_SOCKET_IFNAME set"

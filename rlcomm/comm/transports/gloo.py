@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Sequence
 
@@ -11,6 +12,8 @@ import torch.distributed as dist
 
 from rlcomm.comm.transports.base import Transport
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError
+
+logger = logging.getLogger(__name__)
 
 #: How long a receive may wait for a live peer that sends nothing (a week: "forever").
 FOREVER = datetime.timedelta(days=7)
@@ -27,6 +30,20 @@ def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
     )
 
 
+_unbindable_warned: set[str] = set()
+
+
+def _warn_unbindable(host: str, exc: RuntimeError) -> None:
+    if host not in _unbindable_warned:
+        _unbindable_warned.add(host)
+        logger.warning(
+            "Gloo cannot bind to %s, the node IP Ray reports (%s); Gloo picks the address "
+            "itself, which peers on other nodes may not reach: start Ray with this node's "
+            "address (ray start --node-ip-address) or set GLOO_SOCKET_IFNAME",
+            host, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+
+
 def new_gloo_group(
     store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str | None
 ) -> dist.ProcessGroupGloo:
@@ -36,7 +53,9 @@ def new_gloo_group(
     loopback address, or one that only some network namespace of the machine has)
     unless ``GLOO_SOCKET_IFNAME`` names interfaces. rlcomm passes the node IP that Ray
     reports, so peers on other nodes can reach it with no variable set. A
-    ``GLOO_SOCKET_IFNAME`` the user sets still wins (torch's own handling).
+    ``GLOO_SOCKET_IFNAME`` the user sets still wins (torch's own handling). A ``host``
+    that is no address of this machine (a node IP behind NAT, say) cannot be bound: then
+    Gloo picks, as without rlcomm, and a warning says so.
 
     Args:
         store: the rendezvous store.
@@ -45,7 +64,6 @@ def new_gloo_group(
         host: the address to bind to; ``None`` or ``""`` leaves the choice to Gloo.
 
     Raises:
-        CommError: ``host`` is not an address of this machine.
         RuntimeError: from torch, when the rendezvous fails (callers classify it).
     """
     if not host or os.environ.get("GLOO_SOCKET_IFNAME"):
@@ -53,11 +71,8 @@ def new_gloo_group(
     try:
         device = dist.ProcessGroupGloo.create_device(hostname=host)
     except RuntimeError as exc:
-        raise CommError(
-            f"Gloo cannot bind to {host!r}, the node IP Ray reports: "
-            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; start Ray with "
-            "this node's address (ray start --node-ip-address) or set GLOO_SOCKET_IFNAME"
-        ) from exc
+        _warn_unbindable(host, exc)
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [device]
     opts._threads = 2  # what torch picks for one device

@@ -5,13 +5,14 @@ process, no Ray. The two-node proof is ``tests/test_netns.py``."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from rlcomm.comm.transports import gloo
 from rlcomm.comm.transports.gloo import GlooTransport
-from rlcomm.errors import CommError
 
 NOT_HERE = "198.18.0.254"  # an address no interface of this machine's namespace holds
 
@@ -46,9 +47,19 @@ def test_binds_to_the_given_host(no_ifname):
             t.close()
 
 
-def test_a_host_this_machine_lacks_is_a_clear_error(no_ifname):
-    with pytest.raises(CommError, match=f"cannot bind to '{NOT_HERE}'.*GLOO_SOCKET_IFNAME"):
-        GlooTransport(dist.HashStore(), 0, 5, "rank 1", NOT_HERE)
+def test_a_host_this_machine_lacks_falls_back_to_gloos_choice(no_ifname, caplog, monkeypatch):
+    """As without rlcomm (two ranks of one process reach each other wherever Gloo binds),
+    with a warning naming the address (once per address and process)."""
+    monkeypatch.setattr(gloo, "_unbindable_warned", set())
+    with caplog.at_level(logging.WARNING, logger="rlcomm.comm.transports.gloo"):
+        pair = _pair(NOT_HERE)
+    try:
+        assert _exchange(pair).tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        for t in pair:
+            t.close()
+    assert f"Gloo cannot bind to {NOT_HERE}" in caplog.text
+    assert "GLOO_SOCKET_IFNAME" in caplog.text
 
 
 def test_gloo_socket_ifname_wins_over_the_host(monkeypatch):
