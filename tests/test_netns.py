@@ -34,7 +34,7 @@ RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 IPS = ("198.18.0.1", "198.18.0.2")  # RFC 2544 benchmarking range, never routed
 GCS_PORT = 6379  # free: each namespace has its own ports
 IP_TIMEOUT = 20  # seconds for one `ip` command
-DRIVER_TIMEOUT = 160  # seconds for the whole driver (about 40 s on an idle 2-core machine)
+DRIVER_TIMEOUT = 160  # seconds; the whole test took 68-98 s on the busy shared 2-core machine
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
