@@ -15,7 +15,7 @@ import torch.distributed as dist
 from rlcomm.comm import codec, framing
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.base import FRAME_BYTES, fixed_frames, frame_rest
-from rlcomm.comm.transports.gloo import FOREVER, classify_error
+from rlcomm.comm.transports.gloo import FOREVER, classify_error, new_gloo_group
 from rlcomm.worker.address import WorkerAddress, normalize_rank
 
 GroupsSpec = Sequence[tuple[str, Any]]
@@ -53,13 +53,16 @@ class BroadcastGroup:
     """A process group over ``members``; this process is ``members[index]``.
 
     Broadcasts on one group run one at a time, in call order (its own thread for async
-    calls), so every member sees the same sequence.
+    calls), so every member sees the same sequence. Its Gloo sockets bind to ``host``
+    (this node's IP; ``None``: Gloo's own choice, see ``new_gloo_group``).
     """
 
     def __init__(
-        self, connect_store: Callable[[], dist.Store], members: list[WorkerAddress], index: int
+        self, connect_store: Callable[[], dist.Store], members: list[WorkerAddress], index: int,
+        host: str | None = None,
     ):
         self.members = members
+        self._host = host
         self.index = index
         self._connect_store = connect_store
         self._store: dist.Store | None = None
@@ -93,8 +96,9 @@ class BroadcastGroup:
         """Create the Gloo group on first use (every member must reach this)."""
         self._store = self._connect_store()
         try:
-            self._pg = dist.ProcessGroupGloo(
-                self._store, self.index, len(self.members), datetime.timedelta(seconds=timeout)
+            self._pg = new_gloo_group(
+                self._store, self.index, len(self.members), datetime.timedelta(seconds=timeout),
+                self._host,
             )
         except RuntimeError as exc:
             raise classify_error(exc, "broadcast rendezvous", self._label) from exc

@@ -264,7 +264,9 @@ class CommManager:
             )
         if choice in ("auto", "shm") and same_node and SHM_SUPPORTED:
             return ShmTransport(store, rank, timeout, str(peer), peer_pid=ep.pid)
-        return GlooTransport(store, rank, timeout, str(peer), secret=self._secret)
+        return GlooTransport(
+            store, rank, timeout, str(peer), secret=self._secret, host=self.endpoint.host
+        )
 
     def _on_note(self, note: Note) -> None:
         if note.kind == "request":
@@ -495,7 +497,8 @@ class CommManager:
             return sub_store(client, f"bcast/{digest}")
 
         group = BroadcastGroup(
-            connect_store_of_leader, list(members), members.index(self.address)
+            connect_store_of_leader, list(members), members.index(self.address),
+            host=self.endpoint.host,
         )
         with self._lock:
             return self._bcast.setdefault(members, group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import logging
 import os
 from collections.abc import Sequence
 
@@ -20,6 +21,8 @@ from rlcomm.comm.transports.base import Transport
 from rlcomm.errors import AuthenticationError, CommError, CommTimeoutError, PeerLostError
 
 _NONCE = 32
+
+logger = logging.getLogger(__name__)
 
 #: How long a receive may wait for a live peer that sends nothing (a week: "forever").
 FOREVER = datetime.timedelta(days=7)
@@ -34,6 +37,56 @@ def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
         f"{what} with {peer} failed, the peer process is gone or its connection broke: "
         f"{text.splitlines()[0] if text else type(exc).__name__}"
     )
+
+
+_unbindable_warned: set[str] = set()
+
+
+def _warn_unbindable(host: str, exc: RuntimeError) -> None:
+    if host not in _unbindable_warned:
+        _unbindable_warned.add(host)
+        logger.warning(
+            "Gloo cannot bind to %s, the node IP Ray reports (%s); Gloo picks the address "
+            "itself, which peers on other nodes may not reach: start Ray with this node's "
+            "address (ray start --node-ip-address) or set GLOO_SOCKET_IFNAME",
+            host, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+
+
+def new_gloo_group(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str | None
+) -> dist.ProcessGroupGloo:
+    """A ``ProcessGroupGloo`` whose sockets bind to ``host``.
+
+    Left alone, Gloo binds to the address this machine's hostname resolves to (often a
+    loopback address, or one that only some network namespace of the machine has)
+    unless ``GLOO_SOCKET_IFNAME`` names interfaces. rlcomm passes the node IP that Ray
+    reports, so peers on other nodes can reach it with no variable set. A
+    ``GLOO_SOCKET_IFNAME`` the user sets still wins (torch's own handling). A ``host``
+    that is no address of this machine (a node IP behind NAT, say) cannot be bound: then
+    Gloo picks, as without rlcomm, and a warning says so.
+
+    Args:
+        store: the rendezvous store.
+        rank, size: this process's rank and the group's size.
+        timeout: the group's timeout (rendezvous and default op timeout).
+        host: the address to bind to; ``None`` or ``""`` leaves the choice to Gloo.
+
+    Raises:
+        RuntimeError: from torch, when the rendezvous fails (callers classify it).
+    """
+    if not host or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    try:
+        device = dist.ProcessGroupGloo.create_device(hostname=host)
+    except RuntimeError as exc:
+        _warn_unbindable(host, exc)
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [device]
+    opts._threads = 2  # what torch picks for one device
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def as_flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -51,6 +104,8 @@ class GlooTransport(Transport):
         peer: how error messages name the other end.
         secret: the job's secret, proven by both ends before use (``None``: no proof,
             for transports between two ends of one test process).
+        host: the local address Gloo binds to (the node IP Ray reports); ``None`` leaves
+            the choice to Gloo (see :func:`new_gloo_group`).
 
     Raises:
         AuthenticationError: the other end did not prove it holds ``secret``.
@@ -60,13 +115,11 @@ class GlooTransport(Transport):
 
     def __init__(
         self, store: dist.Store, rank: int, timeout: float, peer: str,
-        secret: bytes | None = None,
+        *, secret: bytes | None = None, host: str | None = None,
     ):
         self._peer = peer
         try:
-            self._pg = dist.ProcessGroupGloo(
-                store, rank, 2, datetime.timedelta(seconds=timeout)
-            )
+            self._pg = new_gloo_group(store, rank, 2, datetime.timedelta(seconds=timeout), host)
         except RuntimeError as exc:
             raise classify_error(exc, "gloo rendezvous", peer) from exc
         self._other = 1 - rank
