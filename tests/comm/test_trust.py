@@ -125,6 +125,16 @@ class TrustPeer(Worker):
         test must not pass it through Ray, which would unpickle it on the way)."""
         self.send({"x": Planted(path)}, group, rank, options=SHORT)
 
+    def forge_half_message(self, group, rank):
+        """Send a frame whose 1 MiB payload never follows (as a sender frozen
+        mid-message would leave it)."""
+        from rlcomm.comm.manager import CommManager
+        from rlcomm.worker.address import WorkerAddress
+
+        conn = CommManager.current().connection(WorkerAddress.of(group, rank), None)
+        conn.wait_ready(30)
+        conn._transport.send_frame(_frame([TensorMeta("float32", (1 << 18,), "cpu")]), [], 5)
+
     def strict(self, on):
         codec.set_strict_mode(on)
 
@@ -316,6 +326,27 @@ def test_strict_mode_refuses_code_in_pickles(cluster, peers):
         assert got["step"] == 3 and got["tags"] == ["a", "b"] and torch.equal(got["obs"], torch.ones(2))
     finally:
         rx.shutdown()
+
+
+def test_a_sender_frozen_mid_message_does_not_hold_a_receive(cluster, peers):
+    """A worker leaves half a message and is then stopped (SIGSTOP): the receiver's
+    recv ends with CommTimeoutError within its timeout."""
+    a, _ = peers
+    frozen = TrustPeer.create_group().launch(cluster, NodePlacementStrategy([0]), name="trust_g")
+    pid = frozen.pid().wait(timeout=30)[0]
+    try:
+        frozen.send_one("first", A, 1).wait(timeout=60)
+        assert a.execute_on(1).recv_one("trust_g", 0).wait(timeout=60) == ["first"]
+        frozen.forge_half_message(A, 1).wait(timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        name, text, took = a.execute_on(1).expect_error("recv_one", "trust_g", 0, timeout=3).wait(
+            timeout=60
+        )[0]
+        assert name == "CommTimeoutError" and "trust_g:0" in text, (name, text)
+        assert took < 8
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        frozen.shutdown()
 
 
 # -- in one process: real transports, forged frames --------------------------------------------
