@@ -99,8 +99,8 @@ class Mailbox:
             incarnation=uuid.uuid4().hex[:12], pid=os.getpid(),
         )
         self._on_note = on_note
-        self._read = local_reader(self._server)
         self._closed = threading.Event()
+        self._read = local_reader(self._server, self._closed)
         self._thread = threading.Thread(target=self._read_notes, name="rlcomm-mailbox", daemon=True)
         self._thread.start()
 
@@ -147,5 +147,7 @@ class Mailbox:
 
     def close(self) -> None:
         self._closed.set()
+        with self._server.table.cond:
+            self._server.table.cond.notify_all()
         self._thread.join(timeout=10)
         self._server.close()

@@ -446,13 +446,17 @@ def sub_store(store: dist.Store, prefix: str) -> dist.Store:
     return dist.PrefixStore(prefix, store)
 
 
-def local_reader(server: StoreServer) -> Callable[[str, float], bytes | None]:
+def local_reader(
+    server: StoreServer, stop: threading.Event
+) -> Callable[[str, float], bytes | None]:
     """``read(key, timeout)``: take a key out of ``server``'s own table when it appears
-    (None on timeout). The mailbox reads its notes this way, without a connection."""
+    (None on timeout, or at once once ``stop`` is set and the table's condition is
+    notified). The mailbox reads its notes this way, without a connection."""
+    table = server.table
 
     def read(key: str, timeout: float) -> bytes | None:
-        if server.table.get(key, timeout) is None:
-            return None
-        return server.table.pop(key)
+        with table.cond:
+            table.cond.wait_for(lambda: key in table.data or stop.is_set(), timeout)
+            return table.data.pop(key, None)
 
     return read
