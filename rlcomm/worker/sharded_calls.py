@@ -73,10 +73,15 @@ class ShardedCallsMixin:
             sharding = NamedSharding(groups, ["data_parallel", "tied_worker"])
         self._sharding = sharding
 
-    def _worker_bundle_indices(self, rank: int) -> tuple[int, list[int]] | None:
-        """The tied group's ``(node_idx, local indices)`` for its first worker, else None."""
+    def _worker_bundle_indices(self, rank: int, placement: Any = None) -> tuple[int, list[int]] | None:
+        """What ``configure_worker`` gets as ``bundle_indices`` (NeMo-RL's rule): the tied
+        group's ``(node_idx, local indices)`` for its first worker, ``None`` for its
+        other workers; ``(node_rank, [local_rank])`` of ``placement`` for a worker that
+        is not tied (without ``placement``: ``None``)."""
         if not self._tied_bundles or not self._tied_groups:
-            return None
+            if placement is None:
+                return None
+            return placement.node_rank, [placement.local_rank]
         for group, bundle in zip(self._tied_groups, self._tied_bundles, strict=True):
             if group[0] == rank:
                 return bundle[0], list(bundle[1])
@@ -145,7 +150,7 @@ class ShardedCallsMixin:
                     "local_rank": p.local_rank,
                     "accelerator_ids": list(p.accelerator_ids),
                     "tied_group_idx": tied_of.get(p.rank, p.rank),
-                    "bundle_indices": self._worker_bundle_indices(p.rank),
+                    "bundle_indices": self._worker_bundle_indices(p.rank, p),
                     "coords": coords,
                 }
             )

@@ -98,6 +98,12 @@ class Worker(DispatchInfoMixin):
 
         return WorkerGroup(cls, args, kwargs)
 
+    def _rlcomm_apply(self, func: Any, with_self: bool, *args: Any, **kwargs: Any) -> Any:
+        """Run a driver-supplied function here: ``func(self, *args, **kwargs)`` or, without
+        ``with_self``, ``func(*args, **kwargs)`` (verl's ``execute_with_func_generator``
+        and ``execute_func_rank_zero``)."""
+        return func(self, *args, **kwargs) if with_self else func(*args, **kwargs)
+
     # -- communication ----------------------------------------------------------------------
 
     @property
