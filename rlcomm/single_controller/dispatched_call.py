@@ -66,7 +66,9 @@ class DispatchFuture(list):
         self._layout = layout
         self._done = False
         self._result: Any = None
-        super().__init__(data_refs[i] for i in self._collect_positions())
+        super().__init__(
+            data_refs if layout is None else [data_refs[i] for i in self._collect_positions()]
+        )
 
     # A future is one pending call, not a value: compare and hash by identity.
     __eq__ = object.__eq__

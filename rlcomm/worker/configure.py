@@ -70,7 +70,10 @@ def unwrap_ray_remote(cls: Any) -> tuple[type, dict[str, Any]]:
     class."""
     meta = getattr(cls, "__ray_metadata__", None)
     if meta is None:
-        return cls, {}
+        # The type of a ``@ray.remote`` class (what a classmethod called on one gets)
+        # inherits Ray's modified class, which names the user's class.
+        original = getattr(cls, "__ray_actor_class__", None)
+        return (cls, {}) if original is None else (original, {})
     modified = meta.modified_class
     original = getattr(modified, "__ray_actor_class__", None) or modified.__mro__[1]
     options = dict(getattr(cls, "_default_options", None) or {})
