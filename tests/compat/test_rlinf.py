@@ -25,6 +25,8 @@ from rlcomm import (
 
 class Producer(Worker):
     def my_address(self) -> WorkerAddress:
+        # RLinf test_comm.py compares its own address this way to find the source.
+        assert self._worker_address == WorkerAddress(self.worker_group_name, ranks=self.rank)
         return self.worker_address
 
     def put_nowait(self, channel: Channel, item, key: str = "nowait") -> bool:
@@ -156,7 +158,8 @@ def test_peek_all_of_tensor_items(ray_local):
 
 
 def test_worker_address_rlinf_form():
-    """RLinf WorkerAddress: ``WorkerAddress(root_group_name, ranks)`` with an int or a
+    """RLinf test_worker.py::TestWorkerAddress::test_worker_address_naming, and
+    WorkerAddress: ``WorkerAddress(root_group_name, ranks)`` with an int or a
     list; ``get_name()`` joins the ranks with ``:``; ``rank`` is the last rank."""
     addr = WorkerAddress("MyWorkerGroup", 5)
     assert addr.root_group_name == "MyWorkerGroup"
@@ -166,6 +169,7 @@ def test_worker_address_rlinf_form():
     assert nested.rank == 3 and nested.get_name() == "G:1:3"
     assert nested.get_parent_rank() == 1
     assert WorkerAddress("G", 2).get_parent_rank() == 0
+    assert WorkerAddress("G", ranks=0) == WorkerAddress("G", (0,))  # test_comm.py's form
 
 
 def test_worker_address_parent_and_child():
