@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from rlcomm.single_controller.ray_worker_group import RayClassWithInitArgs
 from rlcomm.worker.actor import public_methods
 from rlcomm.worker.configure import CONFIGURE_HOOK, unwrap_ray_remote
 from rlcomm.worker.worker import Worker
 
-__all__ = ["create_colocated_worker_cls"]
+if TYPE_CHECKING:
+    from rlcomm.single_controller.ray_worker_group import RayWorkerGroup
+
+__all__ = ["create_colocated_worker_cls", "spawn_roles"]
 
 #: Attribute of a colocated worker instance: role name -> the role's worker instance.
 ROLES_ATTR = "worker_dict"
@@ -94,3 +98,36 @@ def create_colocated_worker_cls(class_dict: Mapping[str, RayClassWithInitArgs]) 
             namespace[f"{role}_{name}"] = _delegate(role, name, getattr(inner, name))
     combined = type("WorkerDict", (Worker,), namespace)
     return RayClassWithInitArgs(combined)
+
+
+def spawn_roles(group: RayWorkerGroup, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+    """``group.spawn(prefix_set)``: per role, a view of ``group`` (same workers) whose
+    attribute ``m`` is the combined group's ``<role>_m``. Shutting a view down ends the
+    shared workers; the combined group holds the place on the resource pool.
+
+    Raises:
+        ValueError: ``group``'s class is not from :func:`create_colocated_worker_cls`,
+            or a prefix is not one of its roles.
+    """
+    roles = getattr(group._worker_cls, "_rlcomm_roles", None)
+    if roles is None:
+        raise ValueError(
+            f"spawn: {group.worker_cls_name} is not a colocated worker class; make it with "
+            "create_colocated_worker_cls({role: RayClassWithInitArgs(...)})"
+        )
+    out = {}
+    for prefix in prefix_set:
+        if prefix not in roles:
+            raise ValueError(f"spawn: {prefix!r} is not one of the roles {sorted(roles)}")
+        view = type(group).__new__(type(group))
+        view.__dict__.update(group.__dict__)
+        view._resource_pool = None
+        view._mesh_layouts = {}
+        view._lock = threading.Lock()
+        view.sub_cls_name = prefix
+        head = f"{prefix}_"
+        for name in list(group._methods):
+            if name.startswith(head):
+                setattr(view, name[len(head):], getattr(view, name))
+        out[prefix] = view
+    return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import string
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -367,30 +366,11 @@ class RayWorkerGroup(WorkerGroup):
         workers; group ``d[role]`` has the role's methods under their own names.
 
         Raises:
-            ValueError: a prefix that is not a role of this group's class.
+            ValueError: this group's class is not colocated, or a prefix is not a role.
         """
-        roles = getattr(self._worker_cls, "_rlcomm_roles", None)
-        if roles is None:
-            raise ValueError(
-                f"spawn: {self.worker_cls_name} is not a colocated worker class; make it with "
-                "create_colocated_worker_cls({role: RayClassWithInitArgs(...)})"
-            )
-        out = {}
-        for prefix in prefix_set:
-            if prefix not in roles:
-                raise ValueError(f"spawn: {prefix!r} is not one of the roles {sorted(roles)}")
-            view = type(self).__new__(type(self))
-            view.__dict__.update(self.__dict__)
-            view._resource_pool = None  # a view: the colocated group owns the pool place
-            view._mesh_layouts = {}
-            view._lock = threading.Lock()
-            view.sub_cls_name = prefix
-            head = f"{prefix}_"
-            for name in list(self._methods):
-                if name.startswith(head):
-                    setattr(view, name[len(head):], getattr(view, name))
-            out[prefix] = view
-        return out
+        from rlcomm.single_controller.colocated import spawn_roles
+
+        return spawn_roles(self, prefix_set)
 
     def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run a method on rank 0 only and return its result.
