@@ -68,6 +68,7 @@ __all__ = [
     "register",
     "register_dispatch_mode",
     "update_dispatch_mode",
+    "UnknownDispatchModeError",
 ]
 
 #: Attribute that marks a registered method (holds its :class:`DispatchSpec`).
@@ -279,14 +280,20 @@ def register_dispatch_mode(dispatch_mode_name: str, dispatch_fn: Callable, colle
     return mode
 
 
+class UnknownDispatchModeError(KeyError, AssertionError):
+    """``update_dispatch_mode`` of a mode that was never registered: a ``KeyError``, and
+    the ``AssertionError`` verl raises there."""
+
+
 def update_dispatch_mode(dispatch_mode: DispatchMode, dispatch_fn: Callable, collect_fn: Callable) -> None:
     """Replace the functions of an existing named mode.
 
     Raises:
-        KeyError: an unknown mode.
+        UnknownDispatchModeError: an unknown mode (a ``KeyError`` and an
+            ``AssertionError``, as in verl).
     """
     if dispatch_mode not in _MODES:
-        raise KeyError(f"update_dispatch_mode: unknown mode {dispatch_mode!r}")
+        raise UnknownDispatchModeError(f"update_dispatch_mode: unknown mode {dispatch_mode!r}")
     _MODES[dispatch_mode] = _ModeEntry(dispatch_fn, collect_fn, "custom")
 
 

@@ -323,6 +323,10 @@ def test_update_existing_dispatch_mode():
     finally:
         update_dispatch_mode(Dispatch.ONE_TO_ALL, original["dispatch_fn"], original["collect_fn"])
     assert get_predefined_dispatch_fn(Dispatch.ONE_TO_ALL)["dispatch_fn"] is dispatch_one_to_all
+    from rlcomm.single_controller.decorator import DispatchMode
+
+    with pytest.raises(AssertionError):  # verl asserts the mode exists
+        update_dispatch_mode(DispatchMode("NEVER_REGISTERED"), new_dispatch, new_collect)
 
 
 # -- test_colocated_workers.py -------------------------------------------------------------
