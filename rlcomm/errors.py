@@ -6,6 +6,8 @@ there is one, what to do about it.
 
 from __future__ import annotations
 
+import asyncio
+
 
 class RlcommError(Exception):
     """Root of every error rlcomm raises on purpose."""
@@ -80,12 +82,20 @@ class ChannelError(RlcommError):
     """Root of the channel errors."""
 
 
-class ChannelFull(ChannelError):
-    """``put_nowait`` on a channel key that holds ``maxsize`` items."""
+class ChannelFull(ChannelError, asyncio.QueueFull):
+    """``put_nowait`` on a channel key that holds ``maxsize`` items.
+
+    Also an :class:`asyncio.QueueFull`, which is what RLinf's ``put_nowait`` raises, so
+    code that catches that keeps working.
+    """
 
 
-class ChannelEmpty(ChannelError):
-    """``get_nowait`` on an empty channel key."""
+class ChannelEmpty(ChannelError, asyncio.QueueEmpty):
+    """``get_nowait`` on an empty channel key.
+
+    Also an :class:`asyncio.QueueEmpty`, which is what RLinf's ``get_nowait`` raises, so
+    code that catches that keeps working.
+    """
 
 
 class ChannelClosedError(ChannelError):

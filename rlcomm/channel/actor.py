@@ -71,6 +71,10 @@ class ChannelActor(Worker):
         """Start reading request messages from the process at address ``client``."""
         self._service.register_client(client)
 
+    def channel_peek_all(self, key: Any) -> list[Any]:
+        """The items queued on ``key``, head first, not taken (``Channel.peek_all``)."""
+        return self._service.core.peek(key)
+
     def channel_stats(self) -> dict[str, Any]:
         """Counters of this worker: items accepted and handed out per key, its node."""
         stats = self._service.core.stats()

@@ -355,6 +355,26 @@ class Channel:
         """Whether ``key`` holds ``maxsize`` items now (never, for an unbounded channel)."""
         return self.maxsize > 0 and self.qsize(key) >= self.maxsize
 
+    def peek_all(self, key: P.Key = "default") -> list[Any]:
+        """The items queued on ``key`` now, head first, without taking them (RLinf's
+        ``peek_all``).
+
+        A Ray control call that copies the items out of the channel worker: for
+        debugging and tests, not for the data path. ``str(channel)`` shows this list
+        for the default key.
+        """
+        if self._local is not None:
+            return self._local.core.peek(key)
+        if not self._info.distributed:
+            return lifecycle.worker_peek(self._info, 0, key)
+        rank = self._route_cache().get(key)
+        if rank is None:
+            fut = self._link(0).submit(P.ROUTE, key, -1)
+            rank = self._finish(fut, "route", key, default_timeout(), False)
+            if rank < 0:
+                return []
+        return lifecycle.worker_peek(self._info, rank, key)
+
     def close(self) -> None:
         """Close the channel, for every key and every handle (see the class docstring).
 
@@ -404,6 +424,11 @@ class Channel:
                 "cannot be passed to another; create it without local=True to share it"
             )
         return (Channel, (self._info,))
+
+    def __str__(self, key: P.Key = "default") -> str:
+        """The items queued on ``key`` (default key), as RLinf's ``str(channel)`` shows
+        them: ``str(channel.peek_all(key))``."""
+        return str(self.peek_all(key))
 
     def __repr__(self) -> str:
         kind = "local" if self.local else "distributed" if self.distributed else "single"

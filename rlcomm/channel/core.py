@@ -85,6 +85,11 @@ class ChannelCore:
             self._state.drop_client(client, out)
         self._dispatch(out)
 
+    def peek(self, key: P.Key) -> list[Any]:
+        """The items queued on ``key`` now, head first (not taken)."""
+        with self._lock:
+            return self._state.peek(key)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return self._state.stats()

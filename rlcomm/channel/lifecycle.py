@@ -169,3 +169,11 @@ def worker_stats(info: ChannelInfo) -> list[dict[str, Any]]:
         for r in range(len(info.node_ids))
     ]
     return ray.get([a.channel_stats.remote() for a in actors], timeout=CONTROL_TIMEOUT)
+
+
+def worker_peek(info: ChannelInfo, rank: int, key: Any) -> list[Any]:
+    """The items queued on ``key`` at channel worker ``rank`` (a Ray call)."""
+    from rlcomm.worker.group import actor_name
+
+    actor = ray.get_actor(actor_name(info.group_name, rank), namespace=RLCOMM_NAMESPACE)
+    return ray.get(actor.channel_peek_all.remote(key), timeout=CONTROL_TIMEOUT)

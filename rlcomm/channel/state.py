@@ -112,6 +112,11 @@ class ChannelState:
         kq = self._keys.get(key)
         return len(kq.items) if kq is not None else 0
 
+    def peek(self, key: P.Key) -> list[Any]:
+        """The items queued on ``key``, head first, without taking them."""
+        kq = self._keys.get(key)
+        return list(kq.items) if kq is not None else []
+
     def stats(self) -> dict[str, Any]:
         """Counters: items accepted and handed out per key, queued now, parked requests."""
         return {

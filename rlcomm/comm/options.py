@@ -9,6 +9,14 @@ from typing import Any
 #: Default seconds a communication op may take (``RLCOMM_COMM_TIMEOUT``).
 COMM_TIMEOUT_ENV = "RLCOMM_COMM_TIMEOUT"
 _TRANSPORTS = ("auto", "gloo", "shm")
+#: RLinf's NCCL tuning fields: accepted, validated, ignored (see the class docstring).
+_IGNORED_FIELDS = (
+    "accel_cluster_size",
+    "accel_max_ctas",
+    "accel_min_ctas",
+    "is_high_priority_stream",
+    "use_ring_broadcast",
+)
 
 _default_timeout: float | None = None
 
@@ -44,15 +52,52 @@ class CollectiveGroupOptions:
         transport: CPU payload path: ``"auto"`` (shared memory between workers of one
             node where available, else Gloo), ``"gloo"`` or ``"shm"`` (same node only).
 
-    The fields other than ``timeout`` define the group: when both ends pass options on
-    first contact and they differ, both ends get :class:`~rlcomm.OptionsMismatchError`.
-    Later calls reuse the group; their options only change the timeout.
+    RLinf's fields are accepted too, so RLinf code that builds options runs unchanged.
+    They tune an NCCL communicator (``ProcessGroupNCCL.Options``), which rlcomm does not
+    expose: **they are ignored** on every pair, CPU pairs included, and do not take part
+    in the options-mismatch check. They are validated (types, ranges) all the same.
+
+    Args (RLinf's, ignored):
+        accel_cluster_size: NCCL ``cluster_size`` (an int > 0 or ``None``).
+        accel_max_ctas: NCCL ``max_ctas`` (an int > 0 or ``None``).
+        accel_min_ctas: NCCL ``min_ctas`` (an int > 0 or ``None``, at most ``accel_max_ctas``).
+        is_high_priority_stream: run NCCL on a high-priority CUDA stream.
+        use_ring_broadcast: force RLinf's ring broadcast of tensor lists (rlcomm's
+            broadcast picks its own algorithm).
+
+    The fields other than ``timeout`` and RLinf's define the group: when both ends pass
+    options on first contact and they differ, both ends get
+    :class:`~rlcomm.OptionsMismatchError`. Later calls reuse the group; their options
+    only change the timeout.
     """
 
     timeout: float | None = None
     transport: str = "auto"
+    accel_cluster_size: int | None = None
+    accel_max_ctas: int | None = None
+    accel_min_ctas: int | None = None
+    is_high_priority_stream: bool = False
+    use_ring_broadcast: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("accel_cluster_size", "accel_max_ctas", "accel_min_ctas"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise ValueError(f"CollectiveGroupOptions.{name} must be an int > 0 or None, got {value!r}")
+        if (
+            self.accel_min_ctas is not None
+            and self.accel_max_ctas is not None
+            and self.accel_min_ctas > self.accel_max_ctas
+        ):
+            raise ValueError(
+                f"CollectiveGroupOptions: accel_min_ctas ({self.accel_min_ctas}) is above "
+                f"accel_max_ctas ({self.accel_max_ctas})"
+            )
+        for name in ("is_high_priority_stream", "use_ring_broadcast"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CollectiveGroupOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"CollectiveGroupOptions.timeout must be > 0, got {self.timeout}")
         if self.transport not in _TRANSPORTS:
@@ -61,13 +106,18 @@ class CollectiveGroupOptions:
                 f"got {self.transport!r}"
             )
 
+    def is_empty_options(self) -> bool:
+        """Whether every field has its default (RLinf's name)."""
+        return self == CollectiveGroupOptions()
+
     def effective_timeout(self) -> float:
         return default_timeout() if self.timeout is None else self.timeout
 
     def group_fields(self) -> dict[str, Any]:
         """The fields that define the group and must match between the ends."""
         data = asdict(self)
-        data.pop("timeout")
+        for name in ("timeout", *_IGNORED_FIELDS):
+            data.pop(name)
         return data
 
     @classmethod

@@ -1,11 +1,12 @@
 """verl's single-controller API on rlcomm workers.
 
 ``RayResourcePool``, ``RayClassWithInitArgs``, ``RayWorkerGroup``, ``merge_resource_pool``,
-``split_resource_pool`` and the ``@register`` decorator with its ``Dispatch`` /
+``split_resource_pool``, ``create_colocated_worker_cls`` and the ``@register`` decorator with its ``Dispatch`` /
 ``Execute`` modes, working on :class:`rlcomm.Worker` subclasses. ``Worker`` is re-exported
 so verl code can import everything from here.
 """
 
+from rlcomm.single_controller.colocated import create_colocated_worker_cls
 from rlcomm.single_controller.decorator import (
     Dispatch,
     DispatchMode,
@@ -27,7 +28,11 @@ from rlcomm.single_controller.decorator import (
     update_dispatch_mode,
 )
 from rlcomm.single_controller.dispatched_call import DispatchFuture
-from rlcomm.single_controller.ray_worker_group import RayClassWithInitArgs, RayWorkerGroup
+from rlcomm.single_controller.ray_worker_group import (
+    PROTECTED_WORKER_ENV,
+    RayClassWithInitArgs,
+    RayWorkerGroup,
+)
 from rlcomm.single_controller.resource_pool import (
     RayResourcePool,
     merge_resource_pool,
@@ -40,14 +45,16 @@ from rlcomm.worker.batch import (
     split_sizes,
     strip_padding,
 )
-from rlcomm.worker.dispatch import collect_batches
+from rlcomm.worker.dispatch import MeshRegisteredError, collect_batches
 from rlcomm.worker.worker import Worker
 
 __all__ = [
+    "PROTECTED_WORKER_ENV",
     "Dispatch",
     "DispatchFuture",
     "DispatchMode",
     "Execute",
+    "MeshRegisteredError",
     "RayClassWithInitArgs",
     "RayResourcePool",
     "RayWorkerGroup",
@@ -58,6 +65,7 @@ __all__ = [
     "collect_dp_compute_data_proto",
     "collect_nd_compute",
     "concat_batches",
+    "create_colocated_worker_cls",
     "dispatch_all_to_all",
     "dispatch_dp_compute",
     "dispatch_dp_compute_data_proto",

@@ -68,6 +68,7 @@ __all__ = [
     "register",
     "register_dispatch_mode",
     "update_dispatch_mode",
+    "UnknownDispatchModeError",
 ]
 
 #: Attribute that marks a registered method (holds its :class:`DispatchSpec`).
@@ -91,15 +92,45 @@ class DispatchMode:
     def __repr__(self) -> str:
         return f"Dispatch.{self.name}"
 
+    def __reduce__(self) -> tuple:
+        # Unpickle as the mode of that name in the receiving process (the registry is
+        # keyed by identity), as verl's DynamicEnum does.
+        return (_mode_named, (self.name,))
+
+
+def _mode_named(name: str) -> DispatchMode:
+    mode = getattr(Dispatch, name, None)
+    return mode if isinstance(mode, DispatchMode) else DispatchMode(name)
+
 
 class Dispatch:
-    """The dispatch modes by name; :func:`register_dispatch_mode` adds more."""
+    """The dispatch modes by name; :func:`register_dispatch_mode` adds more and
+    :meth:`remove` takes an added one away again (verl's ``Dispatch.remove``)."""
 
     ONE_TO_ALL = DispatchMode("ONE_TO_ALL")
     ALL_TO_ALL = DispatchMode("ALL_TO_ALL")
     DP_COMPUTE = DispatchMode("DP_COMPUTE")
     DP_COMPUTE_PROTO = DispatchMode("DP_COMPUTE_PROTO")
     DP_COMPUTE_METRIC = DispatchMode("DP_COMPUTE_METRIC")
+
+    @classmethod
+    def remove(cls, name: str) -> DispatchMode:
+        """Remove a mode added with :func:`register_dispatch_mode`; returns it.
+
+        Raises:
+            KeyError: no added mode of that name (built-in modes cannot be removed).
+        """
+        mode = cls.__dict__.get(name)
+        if not isinstance(mode, DispatchMode) or mode.name in _BUILTIN_MODES:
+            raise KeyError(f"Dispatch.remove: {name!r} is not a mode added by register_dispatch_mode")
+        delattr(cls, name)
+        _MODES.pop(mode, None)
+        return mode
+
+
+_BUILTIN_MODES = frozenset(
+    name for name, value in vars(Dispatch).items() if isinstance(value, DispatchMode)
+)
 
 
 class Execute(Enum):
@@ -249,14 +280,20 @@ def register_dispatch_mode(dispatch_mode_name: str, dispatch_fn: Callable, colle
     return mode
 
 
+class UnknownDispatchModeError(KeyError, AssertionError):
+    """``update_dispatch_mode`` of a mode that was never registered: a ``KeyError``, and
+    the ``AssertionError`` verl raises there."""
+
+
 def update_dispatch_mode(dispatch_mode: DispatchMode, dispatch_fn: Callable, collect_fn: Callable) -> None:
     """Replace the functions of an existing named mode.
 
     Raises:
-        KeyError: an unknown mode.
+        UnknownDispatchModeError: an unknown mode (a ``KeyError`` and an
+            ``AssertionError``, as in verl).
     """
     if dispatch_mode not in _MODES:
-        raise KeyError(f"update_dispatch_mode: unknown mode {dispatch_mode!r}")
+        raise UnknownDispatchModeError(f"update_dispatch_mode: unknown mode {dispatch_mode!r}")
     _MODES[dispatch_mode] = _ModeEntry(dispatch_fn, collect_fn, "custom")
 
 
@@ -311,9 +348,12 @@ def register(
             (with the arguments as given for ONE_TO_ALL / ALL_TO_ALL, the whole batch
             for DP modes, element 0 of each dispatched list for custom modes; the result
             is rank 0's output, passed through ``collect_fn`` for custom modes).
-        blocking: return the collected result; ``False`` returns a
-            :class:`~rlcomm.single_controller.DispatchFuture` (``.get()`` collects; it can
-            be passed to another group's DP call without the driver fetching the data).
+        blocking: return the collected result; ``False`` returns what verl returns,
+            Ray ``ObjectRef`` objects that ``ray.get`` accepts: with ``Execute.RANK_ZERO``
+            rank 0's ``ObjectRef``; otherwise a
+            :class:`~rlcomm.single_controller.DispatchFuture`, a list of the ranks'
+            ``ObjectRef`` objects whose ``.get()`` collects (and which can be passed to
+            another group's DP call without the driver fetching the data).
         pad: in DP and mesh modes, pad batches that do not divide by the number of
             chunks (repeating their first items) instead of splitting them unevenly; the
             padding is stripped from the result.

@@ -27,12 +27,16 @@ from rlcomm.worker.sharded_calls import share_value
 __all__ = ["DispatchFuture", "DispatchedMethod"]
 
 
-class DispatchFuture:
+class DispatchFuture(list):
     """The pending result of a non-blocking ``@register`` call.
 
-    ``get()`` waits, collects and strips padding. Passed as an argument to another
-    group's DP or mesh call, it is not fetched by the driver: each receiving worker
-    fetches only the parts of it that overlap its own chunk.
+    It is what verl returns too: a list of Ray ``ObjectRef`` objects, one per rank that
+    returns output (every called rank; for mesh modes the collecting ranks), so
+    ``ray.get(future)`` gives the per-rank outputs as verl's does. ``get()`` waits,
+    collects (concatenates DP batches, runs a custom ``collect_fn`` on the values)
+    and strips padding. Passed as an argument to another group's DP or mesh call, it
+    is not fetched by the driver: each receiving worker fetches only the parts of it
+    that overlap its own chunk.
     """
 
     def __init__(
@@ -62,6 +66,14 @@ class DispatchFuture:
         self._layout = layout
         self._done = False
         self._result: Any = None
+        super().__init__(
+            data_refs if layout is None else [data_refs[i] for i in self._collect_positions()]
+        )
+
+    # A future is one pending call, not a value: compare and hash by identity.
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
     def _collect_positions(self) -> list[int]:
         if self._layout is not None:
@@ -187,7 +199,11 @@ class DispatchedMethod:
         future = DispatchFuture(
             g, self._name, where, kind, spec, collect_fn, ranks, data_refs, len_refs, pad, layout
         )
-        return future.get() if spec.blocking else future
+        if spec.blocking:
+            return future.get()
+        if rank_zero and kind != "custom":
+            return data_refs[0]  # verl's execute_rank_zero: rank 0's ObjectRef
+        return future
 
 
 def _share(value: Any) -> Any:

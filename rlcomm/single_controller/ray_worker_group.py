@@ -15,16 +15,33 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlcomm.cluster import Cluster
+from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import NodeSpec, Placement, PlacementStrategy
 from rlcomm.single_controller.decorator import dispatch_spec_of
 from rlcomm.single_controller.dispatched_call import DispatchedMethod
 from rlcomm.single_controller.resource_pool import RayResourcePool
-from rlcomm.worker.dispatch import NdLayout, check_signature, nd_layout
+from rlcomm.worker.dispatch import (
+    NdLayout,
+    check_signature,
+    collect_batches,
+    nd_layout,
+    split_call_args,
+)
 from rlcomm.worker.group import WorkerGroup, actor_name
 from rlcomm.worker.result import GroupResult
 from rlcomm.worker.worker import Worker
 
-__all__ = ["RayClassWithInitArgs", "RayWorkerGroup"]
+__all__ = ["PROTECTED_WORKER_ENV", "RayClassWithInitArgs", "RayWorkerGroup"]
+
+#: The variables rlcomm sets on every worker; ``worker_env`` may not set them (verl
+#: raises ``ValueError`` for its own list, which this one contains).
+PROTECTED_WORKER_ENV = frozenset({
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "RAY_LOCAL_WORLD_SIZE", "WG_PREFIX", "WG_BACKEND", "RLCOMM_GROUP_NAME",
+})
+
+#: ``device_name=`` values verl passes; on a CPU pool every one of them means CPU.
+_DEVICE_NAMES = ("cuda", "cpu", "npu", "gpu")
 
 
 class RayClassWithInitArgs:
@@ -80,6 +97,16 @@ class RayWorkerGroup(WorkerGroup):
         name_prefix: prefix of the group name (default: 6 random characters); the group
             is named ``name_prefix + class name`` and its workers ``<group>:<rank>``.
         cluster: the cluster (default: the running Ray's).
+        worker_env: verl's extra environment variables for every worker (the user
+            layer of ``launch(env_vars=...)``).
+        device_name: verl's accelerator name (``"cuda"``, ``"npu"``, ``"cpu"``); kept
+            as ``self.device_name``. rlcomm finds GPUs itself, so on a CPU pool
+            (``use_gpu=False``) the value changes nothing.
+        worker_names: with ``resource_pool=None``, attach to the running workers of
+            these names (verl's detached form; see :meth:`from_detached`).
+        bin_pack, detached, ray_wait_register_center_timeout, worker_handles: verl's
+            arguments, accepted; ``bin_pack`` is ignored (slots decide placement),
+            ``detached=True`` is refused (rlcomm groups live with their creator).
         launch_options: more keyword arguments of :meth:`WorkerGroup.launch`
             (``env_vars``, ``max_concurrency``, ...).
 
@@ -87,26 +114,64 @@ class RayWorkerGroup(WorkerGroup):
         TypeError: the class is not a ``Worker`` subclass.
         WorkerGroupError: the name is taken, or the pool has ``max_colocate_count``
             live groups.
-        ValueError: the pool does not fit the cluster.
+        ValueError: the pool does not fit the cluster; ``worker_env`` sets a variable
+            rlcomm sets (:data:`PROTECTED_WORKER_ENV`; verl raises ``ValueError`` too);
+            an unknown ``device_name``; ``detached=True``.
     """
 
     def __init__(
         self,
-        resource_pool: RayResourcePool,
-        ray_cls_with_init: RayClassWithInitArgs,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
         name_prefix: str | None = None,
         cluster: Cluster | None = None,
+        *,
+        worker_env: dict[str, str] | None = None,
+        device_name: str = "cuda",
+        worker_names: Sequence[str] | None = None,
+        worker_handles: Sequence[Any] | None = None,
+        bin_pack: bool = True,
+        detached: bool = False,
+        ray_wait_register_center_timeout: int = 300,
         **launch_options: Any,
     ):
+        if ray_cls_with_init is None:
+            raise TypeError("RayWorkerGroup: ray_cls_with_init is required")
+        if not isinstance(device_name, str) or device_name.lower() not in _DEVICE_NAMES:
+            raise ValueError(f"RayWorkerGroup: device_name must be one of {_DEVICE_NAMES}, got {device_name!r}")
+        if detached:
+            raise ValueError(
+                "RayWorkerGroup: detached=True is not supported; an rlcomm group lives as long "
+                "as the process that made it. Attach from elsewhere with from_detached(worker_names=...)"
+            )
         super().__init__(ray_cls_with_init.cls, ray_cls_with_init.args, ray_cls_with_init.kwargs)
         if not (isinstance(self._worker_cls, type) and issubclass(self._worker_cls, Worker)):
             raise TypeError(f"RayWorkerGroup: {self._worker_cls!r} is not a rlcomm Worker subclass")
+        self.device_name = device_name
+        self.ray_cls_with_init = ray_cls_with_init
+        self.sub_cls_name = ""
         self._resource_pool: RayResourcePool | None = resource_pool
         self._mesh_layouts: dict[str, NdLayout] = {}
         self._dispatch_specs = _registered_methods(self._worker_cls)
+        if resource_pool is None:
+            if not worker_names:
+                raise ValueError(
+                    "RayWorkerGroup: give a resource_pool, or worker_names of running workers to attach to"
+                )
+            self._attach(worker_names)
+            self.name_prefix = name_prefix or ""
+            return
+        if worker_env:
+            clash = sorted(set(worker_env) & PROTECTED_WORKER_ENV)
+            if clash:
+                raise ValueError(
+                    f"RayWorkerGroup: worker_env cannot override the variables rlcomm sets: {clash}"
+                )
+            launch_options["env_vars"] = {**launch_options.get("env_vars", {}), **worker_env}
         cluster = cluster or Cluster()
         placements = resource_pool.placements(cluster)
         prefix = _random_prefix() if name_prefix is None else name_prefix
+        self.name_prefix = prefix
         resource_pool._acquire_group()
         try:
             self.launch(
@@ -118,6 +183,57 @@ class RayWorkerGroup(WorkerGroup):
         except BaseException:
             resource_pool._release_group()
             raise
+
+    def _extra_builder_env(self) -> dict[str, str]:
+        return {"WG_PREFIX": self.name_prefix}
+
+    def _attach(self, worker_names: Sequence[str]) -> None:
+        """Become a handle on the running group whose workers have these actor names."""
+        groups = {str(n).rsplit(":", 1)[0] for n in worker_names}
+        if len(groups) != 1:
+            raise ValueError(
+                f"RayWorkerGroup: worker_names {list(worker_names)!r} are not the workers of one "
+                "group (expected '<group>:<rank>' names, as worker_names gives them)"
+            )
+        base = WorkerGroup.from_group_name(self._worker_cls, groups.pop())
+        if base.world_size != len(worker_names):
+            raise WorkerGroupError(
+                f"RayWorkerGroup: group {base._name!r} has {base.world_size} workers, "
+                f"{len(worker_names)} names were given"
+            )
+        for key in ("_name", "_actors", "_methods", "_master_addr", "_master_port"):
+            setattr(self, key, getattr(base, key))
+        self._set_layout(base.world_size, None, None)
+        self._bind_methods()
+
+    @classmethod
+    def from_detached(
+        cls,
+        name_prefix: str | None = None,
+        worker_names: Sequence[str] | None = None,
+        worker_handles: Sequence[Any] | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        **kwargs: Any,
+    ) -> RayWorkerGroup:
+        """A handle on running workers, from any process of the Ray cluster (verl's name).
+
+        Args:
+            worker_names: the :attr:`worker_names` of the group.
+            ray_cls_with_init: its worker class (the arguments are not used).
+            name_prefix, worker_handles, kwargs: verl's; accepted, not needed.
+
+        Raises:
+            ValueError: no names, or names of several groups.
+            WorkerGroupError: no such running group.
+        """
+        return cls(
+            None,
+            ray_cls_with_init,
+            name_prefix=name_prefix,
+            worker_names=worker_names,
+            worker_handles=worker_handles,
+            **kwargs,
+        )
 
     def _bind_methods(self) -> None:
         super()._bind_methods()
@@ -136,6 +252,10 @@ class RayWorkerGroup(WorkerGroup):
         base = WorkerGroup.from_group_name(worker_cls, group_name)
         group = cls.__new__(cls)
         group.__dict__.update(base.__dict__)
+        group.device_name = "cuda"
+        group.name_prefix = ""
+        group.sub_cls_name = ""
+        group.ray_cls_with_init = RayClassWithInitArgs(worker_cls)
         group._resource_pool = None
         group._mesh_layouts = {}
         group._dispatch_specs = _registered_methods(group._worker_cls)
@@ -209,6 +329,48 @@ class RayWorkerGroup(WorkerGroup):
         return self._call_each(method_name, [0], [args], [kwargs])[0]
 
     execute_rank_zero = execute_rank_zero_async
+
+    def execute_func_rank_zero(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(*args, **kwargs)`` in rank 0's process and return its result (verl).
+
+        ``func`` must be picklable (module-level functions are; closures go by value).
+
+        Raises:
+            WorkerCallError: it raised on rank 0.
+        """
+        self._check_live()
+        refs = self._call_each("_rlcomm_apply", [0], [(func, False, *args)], [kwargs])
+        return GroupResult(self._name, getattr(func, "__name__", "func"), [0], refs).wait()[0]  # type: ignore[arg-type]
+
+    def execute_with_func_generator(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """Split the batch arguments over the ranks, run ``func(worker, *chunk_args,
+        **chunk_kwargs)`` on each, and concatenate the outputs (verl's
+        ``DP_COMPUTE_PROTO_WITH_FUNC``). Non-batch arguments go whole to every rank.
+
+        Raises:
+            WorkerCallError: a rank raised.
+            ValueError: batch arguments of different lengths.
+        """
+        self._check_live()
+        where = f"execute_with_func_generator({getattr(func, '__name__', func)!r}) on group {self._name!r}"
+        n = self.world_size
+        per_args, per_kwargs, pad = split_call_args(args, kwargs, n, False, where)
+        ranks = list(range(n))
+        refs = self._call_each("_rlcomm_apply", ranks, [(func, True, *a) for a in per_args], per_kwargs)
+        outputs = GroupResult(self._name, "execute_with_func_generator", ranks, refs).wait()  # type: ignore[arg-type]
+        return collect_batches(outputs, pad)
+
+    def spawn(self, prefix_set: Any) -> dict[str, RayWorkerGroup]:
+        """verl's colocated groups: one group per role of a group made from
+        :func:`~rlcomm.single_controller.create_colocated_worker_cls`, sharing its
+        workers; group ``d[role]`` has the role's methods under their own names.
+
+        Raises:
+            ValueError: this group's class is not colocated, or a prefix is not a role.
+        """
+        from rlcomm.single_controller.colocated import spawn_roles
+
+        return spawn_roles(self, prefix_set)
 
     def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
         """Run a method on rank 0 only and return its result.

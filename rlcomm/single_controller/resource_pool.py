@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import NodeSpec, Placement, build_placements
@@ -109,6 +109,9 @@ class _Allocator:
 
 _ALLOCATOR = _Allocator()
 
+#: CPU each bundle of :meth:`RayResourcePool.get_placement_groups` holds (next to none).
+_PG_BUNDLE_CPU = 0.01
+
 
 class _Slots:
     """One entry of ``process_on_nodes``: ``count`` slots on one node, taken on first use."""
@@ -175,6 +178,7 @@ class RayResourcePool:
         self._segments = [
             (_Slots(c, use_gpu, i, max_colocate_count), 0, c) for i, c in enumerate(counts)
         ]
+        self._pgs: list[Any] | None = None
 
     @classmethod
     def _from_segments(cls, segments, use_gpu: bool, name_prefix: str, max_colocate_count: int):
@@ -183,6 +187,7 @@ class RayResourcePool:
         pool.name_prefix = name_prefix
         pool.max_colocate_count = max_colocate_count
         pool._segments = list(segments)
+        pool._pgs = None
         return pool
 
     @property
@@ -219,6 +224,60 @@ class RayResourcePool:
                 (seg.node_rank, seg.local[i], seg.hardware[i]) for i in range(start, stop)
             )
         return pool_placements(slots, self.use_gpu)
+
+    def get_placement_groups(
+        self,
+        strategy: str = "STRICT_PACK",
+        name: str | None = None,
+        device_name: str = "cuda",
+        cluster: Cluster | None = None,
+    ) -> list[Any]:
+        """verl's name: take the pool's slots now, and return one Ray placement group
+        per pool node (entry ``i`` of ``process_on_nodes``) with one bundle per worker.
+
+        rlcomm places workers by its own slots (node affinity), not by these groups:
+        they mirror the pool's layout for code that inspects or removes them, and hold
+        almost nothing (0.01 CPU per bundle, on the node of the slots). Made once and
+        cached; removing them does not free the slots.
+
+        Args:
+            strategy: Ray's placement strategy of each group (verl: ``STRICT_PACK``).
+            name: prefix of the groups' names (default: the pool's prefix).
+            device_name: verl's; rlcomm finds devices itself (ignored).
+            cluster: default: the running Ray's.
+
+        Raises:
+            ValueError: the slots do not fit the cluster.
+        """
+        if self._pgs is not None:
+            return list(self._pgs)
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from rlcomm.cluster import Cluster as _Cluster
+
+        cluster = cluster or _Cluster()
+        self.placements(cluster)  # take the slots first
+        prefix = name or f"{self.name_prefix}rlcomm_pool_{'_'.join(map(str, self.store))}:"
+        pgs = []
+        for i, (seg, start, stop) in enumerate(self._segments):
+            node_id = cluster.node(seg.node_rank).node_id  # type: ignore[arg-type]
+            pgs.append(
+                placement_group(
+                    [{"CPU": _PG_BUNDLE_CPU} for _ in range(stop - start)],
+                    strategy=strategy,
+                    name=f"{prefix}{i}",
+                    _soft_target_node_id=node_id if strategy.startswith("STRICT") else None,
+                )
+            )
+        ray.get([pg.ready() for pg in pgs], timeout=60)
+        self._pgs = pgs
+        return list(pgs)
+
+    @property
+    def pgs(self) -> list[Any] | None:
+        """The placement groups of :meth:`get_placement_groups`, once made (verl)."""
+        return None if self._pgs is None else list(self._pgs)
 
     def _acquire_group(self) -> None:
         """Count one more live worker group on every slot (checks max_colocate_count)."""

@@ -29,6 +29,7 @@ from rlcomm.worker.batch import (
 
 __all__ = [
     "DispatchInfoMixin",
+    "MeshRegisteredError",
     "NdLayout",
     "check_signature",
     "chunk_ranges",
@@ -244,6 +245,15 @@ def nd_layout(infos: Sequence[tuple[int, bool]], mesh_name: str = "mesh") -> NdL
     return NdLayout(dp_size, tuple(dp), tuple(r for _, r in collect))
 
 
+class MeshRegisteredError(ValueError, AssertionError):
+    """A mesh name registered twice on one worker.
+
+    A ``ValueError`` (what verl's ``_register_dispatch_collect_info`` raises) and an
+    ``AssertionError`` (what verl's ``set_dispatch_collect`` raises), so code that
+    catches either keeps working.
+    """
+
+
 class DispatchInfoMixin:
     """Per-mesh dispatch and collect information a worker registers about itself.
 
@@ -258,12 +268,62 @@ class DispatchInfoMixin:
         """Record this worker's data-parallel index and collect flag for ``mesh_name``.
 
         Raises:
-            ValueError: ``mesh_name`` was registered already on this worker.
+            MeshRegisteredError: ``mesh_name`` was registered already on this worker (a
+                ``ValueError``, as in verl).
         """
         table = self.__dict__.setdefault("_rlcomm_mesh_info", {})
         if mesh_name in table:
-            raise ValueError(f"mesh {mesh_name!r} is registered already on this worker")
+            raise MeshRegisteredError(f"mesh {mesh_name!r} is registered already on this worker")
         table[mesh_name] = (int(dp_rank), bool(is_collect))
+
+    def get_dispatch_collect(self) -> dict[str, dict[str, Any]]:
+        """Every registered mesh: ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank":
+        {mesh: is_collect}}`` (verl's form; a copy)."""
+        table = self.__dict__.get("_rlcomm_mesh_info", {})
+        return {
+            "dispatch_dp_rank": {m: info[0] for m, info in table.items()},
+            "collect_dp_rank": {m: info[1] for m, info in table.items()},
+        }
+
+    def set_dispatch_collect(
+        self, mesh_name: str, dispatch_dp_rank: dict[str, int], collect_dp_rank: dict[str, bool]
+    ) -> None:
+        """Register ``mesh_name`` from another worker's :meth:`get_dispatch_collect`, as
+        verl's fused workers do (a worker that plays two roles takes each role's mesh).
+
+        The dp rank and collect flag are taken from the given dicts (verl reads their
+        values; each should hold one mesh).
+
+        Raises:
+            MeshRegisteredError: ``mesh_name`` is registered already (an
+                ``AssertionError``, as in verl).
+            ValueError: the dicts do not hold exactly one entry each.
+        """
+        table = self.__dict__.setdefault("_rlcomm_mesh_info", {})
+        if mesh_name in table:
+            raise MeshRegisteredError(
+                f"set_dispatch_collect: mesh {mesh_name!r} is registered already on this worker "
+                f"(registered: {sorted(table)})"
+            )
+        if len(dispatch_dp_rank) != 1 or len(collect_dp_rank) != 1:
+            raise ValueError(
+                "set_dispatch_collect: pass the get_dispatch_collect() of a worker that "
+                f"registered one mesh; got {dispatch_dp_rank!r} and {collect_dp_rank!r}"
+            )
+        [dp_rank] = dispatch_dp_rank.values()
+        [is_collect] = collect_dp_rank.values()
+        table[mesh_name] = (int(dp_rank), bool(is_collect))
+
+    def query_collect_info(self, mesh_name: str) -> bool:
+        """Whether this worker returns output for ``mesh_name`` (verl's name).
+
+        Raises:
+            KeyError: ``mesh_name`` is not registered on this worker.
+        """
+        info = self._query_mesh_info(mesh_name)
+        if info is None:
+            raise KeyError(f"mesh {mesh_name!r} is not registered on {type(self).__name__}")
+        return info[1]
 
     def _query_mesh_info(self, mesh_name: str) -> tuple[int, bool] | None:
         """``(dp_rank, is_collect)`` registered for ``mesh_name``, or ``None``."""

@@ -29,7 +29,12 @@ from rlcomm.worker.actor import (
     make_actor_class,
     public_methods,
 )
-from rlcomm.worker.configure import CONFIGURE_HOOK, resolve_worker_options
+from rlcomm.worker.configure import (
+    CONFIGURE_HOOK,
+    driver_env,
+    resolve_worker_options,
+    unwrap_ray_remote,
+)
 from rlcomm.worker.registry import registry
 from rlcomm.worker.result import GroupResult
 from rlcomm.worker.sharded_calls import ShardedCallsMixin
@@ -92,8 +97,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
     """
 
     def __init__(self, worker_cls: type[W], args: tuple = (), kwargs: dict | None = None):
-        if isinstance(worker_cls, ray.actor.ActorClass):
-            worker_cls = worker_cls.__ray_metadata__.modified_class
+        worker_cls, self._class_options = unwrap_ray_remote(worker_cls)
         self._worker_cls = worker_cls
         self._args = tuple(args)
         self._kwargs = dict(kwargs or {})
@@ -103,6 +107,8 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         self._methods: set[str] = set()
         self._shut_down = False
         self._lock = threading.Lock()
+        self._master_addr: str | None = None
+        self._master_port: int | None = None
 
     # -- properties -------------------------------------------------------------------------
 
@@ -136,6 +142,16 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
     def placements(self) -> list[Placement]:
         return list(self._placements)
 
+    @property
+    def master_address(self) -> str | None:
+        """``MASTER_ADDR`` of the workers: the IP of rank 0's node (NeMo-RL's name)."""
+        return self._master_addr
+
+    @property
+    def master_port(self) -> int | None:
+        """``MASTER_PORT`` of the workers: a port free on rank 0's node at launch."""
+        return self._master_port
+
     # -- launch -----------------------------------------------------------------------------
 
     def launch(
@@ -165,9 +181,11 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
             disable_distributed_log: skip the worker-side logging set-up.
             env_vars: extra environment variables for every worker. A worker class may
                 adjust them (and its Ray resources and ``__init__`` kwargs) with a
-                ``configure_worker(num_gpus, bundle_indices)`` hook; see
-                :mod:`rlcomm.worker.configure` for the precedence (user < worker <
-                rlcomm).
+                ``configure_worker(num_gpus, bundle_indices)`` hook. Precedence, as
+                NeMo-RL documents it (lowest first): the class's ``@ray.remote``
+                ``runtime_env``, this process's environment, ``env_vars``,
+                ``configure_worker``, rlcomm's identity variables; see
+                :mod:`rlcomm.worker.configure`.
             sharding: a :class:`NamedSharding` naming the axes of the ranks (e.g.
                 ``NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])``) for
                 ``run_all_workers_sharded_data``, ``dp_size`` and
@@ -252,6 +270,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
             )
         actor_cls = ray.remote(make_actor_class(self._worker_cls, catch_system_failure))
         num_cpus = float(os.environ.get(WORKER_NUM_CPUS_ENV, 0))
+        gpus_per_node = max((n.num_gpus for n in cluster.nodes), default=0)
         actors = []
         for p in placements:
             node = cluster.node(p.node_rank)
@@ -263,17 +282,22 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
                 "WORLD_SIZE": str(len(placements)),
                 "LOCAL_WORLD_SIZE": str(p.local_world_size),
                 "NODE_RANK": str(p.node_rank),
+                # What verl's workers read beside the above.
+                "RAY_LOCAL_WORLD_SIZE": str(p.local_world_size),
+                "WG_BACKEND": "ray",
+                **self._extra_builder_env(),
             }
             if isolate_gpu and p.accelerator_ids:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, p.accelerator_ids))
-            user_options: dict[str, Any] = {"num_cpus": num_cpus}
+            user_options: dict[str, Any] = {"num_cpus": num_cpus, **self._class_options}
             if max_concurrency is not None:
                 user_options["max_concurrency"] = max_concurrency
             resolved = resolve_worker_options(
                 self._worker_cls,
                 num_gpus=len(p.accelerator_ids),
-                bundle_indices=self._worker_bundle_indices(p.rank),
-                user_env=env_vars,
+                bundle_indices=self._worker_bundle_indices(p.rank, p),
+                num_gpus_per_node=gpus_per_node,
+                user_env={**driver_env(exclude=env), **env_vars},
                 user_actor_options=user_options,
                 user_init_kwargs=self._kwargs,
                 builder_env=env,
@@ -301,6 +325,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         self._actors = actors
         self._placements = placements
         self._name = name
+        self._master_addr, self._master_port = master.ip, master_port
         # The first call on each actor waits for its __init__ and surfaces its errors.
         infos = GroupResult(name, "__init__", [p.rank for p in placements], [
             a._rlcomm_node_info.remote() for a in actors
@@ -312,10 +337,15 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
                     "worker_cls_name": self.worker_cls_name,
                     "world_size": len(placements),
                     "node_ranks": [p.node_rank for p in placements],
+                    "master": (master.ip, master_port),
                     "workers": infos,
                 },
             )
         )
+
+    def _extra_builder_env(self) -> dict[str, str]:
+        """More identity variables a subclass sets on every worker (rlcomm's layer)."""
+        return {}
 
     def _bind_methods(self) -> None:
         for method in self._methods:
@@ -376,6 +406,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
             for r in range(info["world_size"])
         ]
         group._methods = {m for m in public_methods(group._worker_cls) if m != CONFIGURE_HOOK}
+        group._master_addr, group._master_port = info.get("master", (None, None))
         group._set_layout(info["world_size"], None, None)
         group._bind_methods()
         return group

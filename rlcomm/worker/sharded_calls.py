@@ -27,6 +27,12 @@ from rlcomm.worker.dispatch import check_signature
 from rlcomm.worker.multi_worker_future import MultiWorkerFuture
 from rlcomm.worker.sharding import NamedSharding, pick_shard, plan_sharded_call, ranks_at_zero
 
+
+class PerWorkerDataError(ValueError, AssertionError):
+    """A per-worker argument list of ``run_all_workers_multiple_data`` that does not fit
+    the workers. A ``ValueError``, and an ``AssertionError`` as NeMo-RL raises there."""
+
+
 #: Axis names treated as the data-parallel axis, in order of preference.
 DP_AXIS_NAMES = ("data_parallel", "dp")
 
@@ -73,10 +79,15 @@ class ShardedCallsMixin:
             sharding = NamedSharding(groups, ["data_parallel", "tied_worker"])
         self._sharding = sharding
 
-    def _worker_bundle_indices(self, rank: int) -> tuple[int, list[int]] | None:
-        """The tied group's ``(node_idx, local indices)`` for its first worker, else None."""
+    def _worker_bundle_indices(self, rank: int, placement: Any = None) -> tuple[int, list[int]] | None:
+        """What ``configure_worker`` gets as ``bundle_indices`` (NeMo-RL's rule): the tied
+        group's ``(node_idx, local indices)`` for its first worker, ``None`` for its
+        other workers; ``(node_rank, [local_rank])`` of ``placement`` for a worker that
+        is not tied (without ``placement``: ``None``)."""
         if not self._tied_bundles or not self._tied_groups:
-            return None
+            if placement is None:
+                return None
+            return placement.node_rank, [placement.local_rank]
         for group, bundle in zip(self._tied_groups, self._tied_bundles, strict=True):
             if group[0] == rank:
                 return bundle[0], list(bundle[1])
@@ -145,7 +156,7 @@ class ShardedCallsMixin:
                     "local_rank": p.local_rank,
                     "accelerator_ids": list(p.accelerator_ids),
                     "tied_group_idx": tied_of.get(p.rank, p.rank),
-                    "bundle_indices": self._worker_bundle_indices(p.rank),
+                    "bundle_indices": self._worker_bundle_indices(p.rank, p),
                     "coords": coords,
                 }
             )
@@ -234,7 +245,8 @@ class ShardedCallsMixin:
 
         Every positional and keyword argument is a list with one entry per worker
         (length ``world_size``), or, when the group has tied workers, one entry per tied
-        group (every worker of a tied group gets its group's entry).
+        group (every worker of a tied group gets its group's entry), or, with
+        ``run_rank_0_only_axes``, one entry per called worker (NeMo-RL's form).
 
         Args:
             method_name: the worker method.
@@ -247,8 +259,9 @@ class ShardedCallsMixin:
             One Ray future per called worker, by worker index.
 
         Raises:
-            ValueError: an argument is not a list of a valid length, or a name is both in
-                ``kwargs`` and ``common_kwargs``.
+            PerWorkerDataError: no per-worker argument, or one that is not a list of a
+                valid length (a ``ValueError``, and the ``AssertionError`` of NeMo-RL).
+            ValueError: a name is both in ``kwargs`` and ``common_kwargs``.
         """
         self._check_live()  # type: ignore[attr-defined]
         where = self._where("run_all_workers_multiple_data", method_name)
@@ -259,19 +272,31 @@ class ShardedCallsMixin:
         both = sorted(set(common) & set(kwargs))
         if both:
             raise ValueError(f"{where}: {both} given both as per-worker kwargs and in common_kwargs")
-        valid = sorted({world, len(groups)})
+        if not args and not kwargs:
+            raise PerWorkerDataError(
+                f"{where}: give at least one per-worker argument (a list with one entry per "
+                "worker), or use run_all_workers_single_data"
+            )
+        ranks = self._called_ranks(run_rank_0_only_axes, where)
+        valid = sorted({world, len(groups)} | ({len(ranks)} if run_rank_0_only_axes else set()))
         for name, value in [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
             if not isinstance(value, (list, tuple)) or len(value) not in valid:
                 got = f"length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
                 per = "one entry per worker" + (
                     f" ({world}) or per tied group ({len(groups)})" if len(groups) != world else f" ({world})"
                 )
-                raise ValueError(f"{where}: {name} must be a list with {per}, got {got}")
+                if run_rank_0_only_axes:
+                    per += f" or per called worker ({len(ranks)})"
+                raise PerWorkerDataError(f"{where}: {name} must be a list with {per}, got {got}")
         check_signature(self._worker_cls, method_name, args, {**kwargs, **common}, where)  # type: ignore[attr-defined]
-        ranks = self._called_ranks(run_rank_0_only_axes, where)
+        position = {r: i for i, r in enumerate(ranks)}
 
         def pick(value: Sequence[Any], rank: int) -> Any:
-            return value[rank] if len(value) == world else value[tied_of[rank]]
+            if len(value) == world:
+                return value[rank]
+            if len(value) == len(groups):
+                return value[tied_of[rank]]
+            return value[position[rank]]
 
         per_args = [tuple(pick(a, r) for a in args) for r in ranks]
         per_kwargs = [{**{k: pick(v, r) for k, v in kwargs.items()}, **common} for r in ranks]

@@ -23,6 +23,16 @@ W = TypeVar("W", bound="Worker")
 GROUP_NAME_ENV = "RLCOMM_GROUP_NAME"
 
 
+class _class_or_remote_method(classmethod):
+    """A classmethod that, looked up on a ``@ray.remote`` class (an ``ActorClass``
+    instance), binds to that object, which keeps the Ray options it was given."""
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is not None and getattr(obj, "__ray_metadata__", None) is not None:
+            return self.__func__.__get__(obj)
+        return super().__get__(obj, objtype)
+
+
 class Worker(DispatchInfoMixin):
     """Base class of every rlcomm worker.
 
@@ -87,9 +97,13 @@ class Worker(DispatchInfoMixin):
         """The number of workers in this worker's group."""
         return self._world_size
 
-    @classmethod
+    @_class_or_remote_method
     def create_group(cls: type[W], *args: Any, **kwargs: Any) -> WorkerGroup[W]:
         """A not yet launched :class:`WorkerGroup` of this class; ``.launch(...)`` starts it.
+
+        Works on a class wrapped in ``@ray.remote`` too (as NeMo-RL's workers are): the
+        group runs the user's class, with the ``runtime_env`` (and ``max_concurrency``)
+        given to ``@ray.remote``.
 
         Args:
             args, kwargs: passed to every rank's ``__init__``.
@@ -97,6 +111,12 @@ class Worker(DispatchInfoMixin):
         from rlcomm.worker.group import WorkerGroup
 
         return WorkerGroup(cls, args, kwargs)
+
+    def _rlcomm_apply(self, func: Any, with_self: bool, *args: Any, **kwargs: Any) -> Any:
+        """Run a driver-supplied function here: ``func(self, *args, **kwargs)`` or, without
+        ``with_self``, ``func(*args, **kwargs)`` (verl's ``execute_with_func_generator``
+        and ``execute_func_rank_zero``)."""
+        return func(self, *args, **kwargs) if with_self else func(*args, **kwargs)
 
     # -- communication ----------------------------------------------------------------------
 
