@@ -156,9 +156,9 @@ class CommManager:
                     f"no worker group named {peer.group_name!r} is running (peer {peer})"
                 )
             size = info.get("world_size", 0)
-            if not 0 <= peer.rank < size:
+            if not 0 <= peer.root_rank < size:
                 raise PeerNotFoundError(
-                    f"rank {peer.rank} is not in group {peer.group_name!r} of size {size}"
+                    f"rank {peer.root_rank} is not in group {peer.group_name!r} of size {size}"
                 )
             raise PeerNotFoundError(f"worker {peer} is not running or has not registered")
         ep = decode_endpoint(data)
