@@ -2,35 +2,28 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-#: Default seconds a communication op may take (``RLCOMM_COMM_TIMEOUT``).
-COMM_TIMEOUT_ENV = "RLCOMM_COMM_TIMEOUT"
-_TRANSPORTS = ("auto", "gloo", "shm")
+from rlcomm.settings import get_settings, update_settings
 
-_default_timeout: float | None = None
+_TRANSPORTS = ("auto", "gloo", "shm")
 
 
 def set_default_timeout(seconds: float) -> None:
-    """Set the process-wide default timeout of communication ops (seconds, > 0)."""
-    global _default_timeout
+    """Set the process-wide default timeout of communication ops (seconds, > 0).
+
+    The same as ``rlcomm.update_settings(comm_timeout=seconds)``.
+    """
     if seconds <= 0:
         raise ValueError(f"the default timeout must be > 0 seconds, got {seconds}")
-    _default_timeout = float(seconds)
+    update_settings(comm_timeout=float(seconds))
 
 
 def default_timeout() -> float:
-    """The process-wide default op timeout: set_default_timeout, else the env (read
-    when rlcomm is imported), else 180 s."""
-    if _default_timeout is not None:
-        return _default_timeout
-    return _ENV_TIMEOUT
-
-
-#: ``RLCOMM_COMM_TIMEOUT`` as it was when rlcomm was imported (read once: ops are hot).
-_ENV_TIMEOUT = float(os.environ.get(COMM_TIMEOUT_ENV, 180.0))
+    """The process-wide default op timeout: the ``comm_timeout`` setting
+    (``RLCOMM_COMM_TIMEOUT``, 180 s unless set)."""
+    return get_settings().comm_timeout
 
 
 @dataclass(frozen=True)
