@@ -21,6 +21,14 @@ RLCOMM_NAMESPACE = "rlcomm"
 
 
 _LOCAL_ADDRESSES = ("auto", "local")
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _drop_auth_enabled_notice(record: logging.LogRecord) -> bool:
+    """Ray warns, on each local start, that it turned token authentication on (its
+    default, which rlcomm keeps). While rlcomm starts Ray, that one notice is dropped;
+    the warning that authentication is off is not."""
+    return not record.getMessage().startswith("Token authentication is enabled")
 
 
 def _probe(address: str, deadline: float) -> str | None:
@@ -50,7 +58,8 @@ def connect_ray(address: str | None, timeout: float, ray_init_kwargs: dict | Non
 
     The wait is bounded by probing ``address`` over TCP before ``ray.init``: Ray's own
     connect retries for minutes. Something that answers there but is no Ray head node
-    can still hold ``ray.init`` up.
+    can still hold ``ray.init`` up. Ray's notice that token authentication is on (its
+    default) is not shown.
 
     Raises:
         RlcommError: nothing answers at ``address`` in time (the message names it and
@@ -74,14 +83,12 @@ def connect_ray(address: str | None, timeout: float, ray_init_kwargs: dict | Non
                 f"ray_init_kwargs) within {timeout:g}s: {problem}; {what_to_do}"
             )
     kwargs: dict = {"include_dashboard": False, "logging_level": logging.WARNING}
-    if address is None:
-        # Ray warns on every start that it turned token authentication on by default;
-        # asking for it explicitly keeps it on and the start quiet.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-    else:
+    if address is not None:
         kwargs["address"] = address
         kwargs.pop("include_dashboard")
     kwargs.update(ray_init_kwargs or {})
+    notice = logging.getLogger(_RAY_AUTH_LOGGER)
+    notice.addFilter(_drop_auth_enabled_notice)
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -89,6 +96,8 @@ def connect_ray(address: str | None, timeout: float, ray_init_kwargs: dict | Non
             f"could not attach to Ray at {address or 'a new local Ray'!r}: "
             f"{type(exc).__name__}: {exc}; {what_to_do}"
         ) from exc
+    finally:
+        notice.removeFilter(_drop_auth_enabled_notice)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,10 @@ def test_rollout_to_trainer_quick(tmp_path):
     updates = int(re.search(r"updates\s+(\d+)", out).group(1))
     assert updates == 5, out
     assert int(re.search(r"episodes trained on\s+(\d+)", out).group(1)) >= 5 * 16
-    assert float(re.search(r"MB through the channel\s+([\d.]+)", out).group(1)) > 0
+    assert float(re.search(r"episodes through the channel\s+([\d.]+) [KMG]?B", out).group(1)) > 0
+    assert re.search(r"weights broadcast \(to all workers\)\s+[1-9][\d.]* [KMG]?B", out), out
+    assert "never solves CartPole" in out
+    assert "not solved (expected: --quick" in out
     assert int(re.search(r"policy version reached\s+(\d+)", out).group(1)) == updates
     assert plot.exists() and plot.stat().st_size > 1000
 

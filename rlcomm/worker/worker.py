@@ -89,7 +89,8 @@ class Worker(DispatchInfoMixin):
         """A not yet launched :class:`WorkerGroup` of this class; ``.launch(...)`` starts it.
 
         Args:
-            args, kwargs: passed to every rank's ``__init__``.
+            *args: passed to every rank's ``__init__``.
+            **kwargs: passed to every rank's ``__init__``.
         """
         from rlcomm.worker.group import WorkerGroup
 
