@@ -6,6 +6,11 @@ there is one, what to do about it.
 
 from __future__ import annotations
 
+import re
+
+#: The last line of a Python traceback: ``ValueError: ...`` or ``pkg.mod.Error: ...``.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
+
 
 class RlcommError(Exception):
     """Root of every error rlcomm raises on purpose."""
@@ -44,13 +49,17 @@ class WorkerCallError(RlcommError):
         self.remote_traceback = remote_traceback
         self.cause = cause
         where = f"{group_name}[rank {rank}].{method}()"
-        if cause is not None:
-            first = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        lines = remote_traceback.strip().splitlines() if remote_traceback else []
+        if cause is not None or (len(lines) > 1 and _EXCEPTION_LINE.match(lines[-1])):
+            # The exception's own line first, then where it was raised, then the traceback.
+            first = lines[-1] if cause is None else (
+                f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+            )
             text = f"{first}\n(raised in {where} on the remote worker)"
-        else:
-            text = f"{where} failed on the remote worker"
-        if remote_traceback:
-            text += f"\nremote traceback:\n{remote_traceback}"
+            if lines:
+                text += f"\nremote traceback:\n{remote_traceback}"
+        else:  # one line of text (an actor that died): no traceback to show
+            text = f"{where} failed on the remote worker" + (f": {lines[0]}" if lines else "")
         self._message = text
         # Exception's own __init__: the remote class's may take other arguments.
         Exception.__init__(self, text)

@@ -144,9 +144,17 @@ class NeedsTwoArgs(Exception):
     """An exception whose __init__ takes other arguments than a message."""
 
     def __init__(self, code: int, detail: str):
-        super().__init__(f"code {code}: {detail}")
+        super().__init__(code, detail)
         self.code = code
         self.detail = detail
+
+    def __str__(self) -> str:
+        return f"code {self.code}: {self.detail}"
+
+
+class DoesNotUnpickle(Exception):
+    def __init__(self, code: int, detail: str):
+        super().__init__(f"code {code}: {detail}")  # args do not fit __init__: no unpickling
 
 
 class Failing(Worker):
@@ -158,6 +166,9 @@ class Failing(Worker):
 
     def custom(self):
         raise NeedsTwoArgs(7, "no rollouts")
+
+    def unpicklable(self):
+        raise DoesNotUnpickle(3, "bad")
 
     def deep(self, n: int):
         if n == 0:
@@ -205,6 +216,16 @@ def test_remote_error_of_a_custom_class(failing):
     again = pickle.loads(pickle.dumps(err))
     assert isinstance(again, NeedsTwoArgs) and isinstance(again, WorkerCallError)
     assert (again.group_name, again.rank, again.method) == ("failing", 0, "custom")
+
+
+@pytest.mark.timeout(120)
+def test_remote_error_that_does_not_unpickle_still_reads_well(failing):
+    with pytest.raises(WorkerCallError) as info:
+        failing.execute_on(1).unpicklable().wait(timeout=60)
+    text = str(info.value)
+    assert text.startswith("tests.test_first_hour.DoesNotUnpickle: code 3: bad\n"), text
+    assert "(raised in failing[rank 1].unpicklable() on the remote worker)" in text
+    assert "ray::" not in text and "\x1b[" not in text
 
 
 @pytest.mark.timeout(120)

@@ -14,6 +14,7 @@ from rlcomm.errors import RlcommTimeoutError, WorkerCallError, worker_call_error
 from rlcomm.settings import get_settings
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_RAY_HEADER = re.compile(r"^(ray\.exceptions\.\w+: )?ray::")
 #: Most lines of a remote traceback a WorkerCallError keeps (the last ones).
 TRACEBACK_LINES = 20
 
@@ -30,7 +31,7 @@ def trim_traceback(text: str | None) -> str:
     kept: list[str] = []
     skip_source = False
     for line in lines:
-        if line.startswith("ray::") or (line.strip() and not line.strip("^~ ")):
+        if _RAY_HEADER.match(line) or (line.strip() and not line.strip("^~ ")):
             continue  # Ray's header line; caret lines under source lines
         if skip_source and line.startswith("    ") and not line.startswith("  File"):
             continue
@@ -77,8 +78,8 @@ class GroupResult:
             )
         if isinstance(exc, ray.exceptions.RayActorError):
             text = f"the worker's actor died: {strip_ansi(str(exc))}"
-        else:
-            text = f"{type(exc).__name__}: {strip_ansi(str(exc))}"
+        else:  # e.g. a remote exception that does not unpickle here
+            text = trim_traceback(f"{type(exc).__name__}: {exc}")
         return WorkerCallError(self.group_name, rank, self.method, text)
 
     def wait(self, timeout: float | None = None) -> list[Any]:
