@@ -85,7 +85,8 @@ def connect_ray(address: str | None, timeout: float, ray_init_kwargs: dict | Non
     kwargs: dict = {"include_dashboard": False, "logging_level": logging.WARNING}
     if address is not None:
         kwargs["address"] = address
-        kwargs.pop("include_dashboard")
+        if address != "local":  # "local" starts a new Ray, as None may
+            kwargs.pop("include_dashboard")
     kwargs.update(ray_init_kwargs or {})
     notice = logging.getLogger(_RAY_AUTH_LOGGER)
     notice.addFilter(_drop_auth_enabled_notice)
@@ -128,7 +129,9 @@ class Cluster:
     """A handle on a Ray cluster, attached to or started on construction.
 
     Attaches to the Ray of this process (``ray.is_initialized()``), else to ``RAY_ADDRESS``
-    (or ``ray_init_kwargs["address"]``), else starts a local Ray (no dashboard). Attaching
+    (or ``ray_init_kwargs["address"]``), else starts a local Ray (no dashboard). Without
+    an address Ray itself first looks for a cluster started by ``ray start`` on this
+    machine and attaches to it; ``RAY_ADDRESS=local`` always starts a new one. Attaching
     is bounded by ``timeout`` and the ``connect_timeout`` setting (30 s): an address where
     nothing answers raises :class:`RlcommError` naming it. Then waits, at most ``timeout``
     seconds in all, until ``num_nodes`` nodes are alive.

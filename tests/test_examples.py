@@ -29,8 +29,9 @@ def alarming_lines(text: str) -> list[str]:
 def run_example(*args: str, timeout: float = 240) -> str:
     """Run an example as a user would; its stdout. Fails if it exits non-zero or if a
     normal run prints anything that looks like a failure (WARNING, ERROR, a traceback)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS="")
-    env.pop("RAY_ADDRESS")
+    # "local": a Ray of its own, not one that another process started with `ray start`
+    # on this machine (Ray attaches to the latest such one when no address is given).
+    env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS="local")
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=timeout,

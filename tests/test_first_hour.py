@@ -276,3 +276,38 @@ def test_with_channel_closes_it(ray_local):
         channel.put(2, timeout=30)
     assert channel.get(timeout=30) == 1  # closed: drained items still come out
     channel.shutdown()
+
+
+# -- logging ------------------------------------------------------------------------------
+
+_LOGGING_SCRIPT = """
+import logging, time
+from rlcomm import Cluster, Worker
+
+class Chatty(Worker):
+    def talk(self):
+        log = logging.getLogger("rlcomm.chatty")
+        log.info("hidden-info-record")
+        log.warning("visible-warning-record")
+        logging.getLogger("someone.else").warning("not-rlcomm-record")
+        return len(logging.getLogger().handlers)
+
+cluster = Cluster(num_nodes=1)
+with Chatty.create_group().launch(cluster, name="chatty") as group:
+    print("ROOT HANDLERS", group.talk().wait(timeout=120)[0], flush=True)
+    time.sleep(3)  # Ray forwards worker output to the driver in the background
+"""
+
+
+@pytest.mark.timeout(240)
+def test_workers_pass_on_rlcomm_warnings_only():
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOGGING_SCRIPT], capture_output=True, text=True, timeout=220,
+        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": ROOT,
+                       "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "ROOT HANDLERS 0" in out, out  # the worker left the root logger alone
+    assert "WARNING rlcomm.chatty: visible-warning-record" in out, out
+    assert "hidden-info-record" not in out, out
