@@ -27,6 +27,7 @@ from rlcomm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class WorkerContext:
     """Everything a worker process needs before the user's ``__init__`` runs."""

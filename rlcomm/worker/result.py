@@ -15,6 +15,8 @@ from rlcomm.settings import get_settings
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _RAY_HEADER = re.compile(r"^(ray\.exceptions\.\w+: )?ray::")
+#: Frames of Ray itself and of rlcomm's actor wrapper, not of the user's code.
+_INTERNAL_FRAME = re.compile(r"[/\\](site|dist)-packages[/\\]ray[/\\]|python/ray/|rlcomm[/\\]worker[/\\]actor\.py")
 #: Most lines of a remote traceback a WorkerCallError keeps (the last ones).
 TRACEBACK_LINES = 20
 
@@ -36,7 +38,7 @@ def trim_traceback(text: str | None) -> str:
         if skip_source and line.startswith("    ") and not line.startswith("  File"):
             continue
         skip_source = False
-        if line.startswith("  File ") and ("/ray/" in line or "/rlcomm/worker/actor.py" in line):
+        if line.startswith("  File ") and _INTERNAL_FRAME.search(line):
             skip_source = True
             continue
         kept.append(line)
@@ -57,7 +59,9 @@ class GroupResult:
     ``wait()`` returns the results ordered like the ranks; ``done()`` polls;
     ``await handle`` or ``await handle.async_wait()`` waits from asyncio without blocking
     the event loop. A rank that raised makes ``wait`` raise :class:`WorkerCallError`
-    naming the group, rank and method, with the remote traceback.
+    naming the group, rank and method, with the remote traceback; it is also an instance
+    of the remote exception's class (``except ValueError`` catches a remote
+    ``ValueError``).
     """
 
     def __init__(self, group_name: str, method: str, ranks: Sequence[int], refs: Sequence[Any]):
