@@ -311,3 +311,19 @@ def test_workers_pass_on_rlcomm_warnings_only():
     assert "ROOT HANDLERS 0" in out, out  # the worker left the root logger alone
     assert "WARNING rlcomm.chatty: visible-warning-record" in out, out
     assert "hidden-info-record" not in out, out
+
+
+@pytest.mark.timeout(90)
+def test_channel_connect_without_ray_never_starts_one():
+    out, _ = _run_alone(
+        "import ray\n"
+        "from rlcomm import Channel, RlcommError\n"
+        "try:\n"
+        "    Channel.connect('rollouts', timeout=5)\n"
+        "except RlcommError as exc:\n"
+        "    print('RAISED', exc)\n"
+        "print('RAY STARTED' if ray.is_initialized() else 'NO RAY')\n",
+        {}, timeout=80,
+    )
+    assert "RAISED no Ray is attached to this process and RAY_ADDRESS is not set" in out, out
+    assert "NO RAY" in out, out
