@@ -12,7 +12,9 @@ What it shows:
   tag their next batches with the policy version, so the trainer reports staleness.
 
 Run it with ``scripts/demo`` or ``python examples/rollout_to_trainer.py [--quick]``.
-Writes ``learning_curve.png`` (mean return vs iteration).
+Writes ``learning_curve.png`` (mean return vs update). A full run solves CartPole (mean
+return >= 195 over 5 updates) in a few dozen updates; ``--quick`` runs 5 updates with 2
+rollout workers to show that everything works end to end, and never solves it.
 """
 
 from __future__ import annotations
@@ -250,8 +252,12 @@ def main() -> None:
     trainer = Trainer.create_group("rollouts", "metrics", args.lr, args.seed).launch(
         cluster, NodePlacementStrategy([0] * args.trainers), name=TRAINER
     )
+    launch_s = time.monotonic() - start
     print(f"launched {args.rollout_workers} rollout workers and {args.trainers} trainer ranks "
-          f"in {time.monotonic() - start:.1f}s", flush=True)
+          f"in {launch_s:.1f}s", flush=True)
+    print(_INTRO, flush=True)
+    if args.quick:
+        print(_QUICK_NOTE, flush=True)
 
     def stop(*_):
         raise KeyboardInterrupt
@@ -264,6 +270,7 @@ def main() -> None:
         train = trainer.train(args.iterations, per_rank, args.rollout_workers,
                               args.solved_window)
         t0, moved = time.monotonic(), 0
+        t_end = None
         bar = tqdm(total=args.iterations, unit="it", file=sys.stdout, dynamic_ncols=True)
         while not train.done():
             try:
@@ -275,7 +282,8 @@ def main() -> None:
             steps = sum(r["steps"] for r in rows)
             bar.update(1)
             bar.set_postfix(ret=f"{m['mean_return']:.0f}", steps_s=f"{steps / (time.monotonic() - t0):.0f}",
-                            MB=f"{moved / 1e6:.1f}", stale=f"{m['staleness_mean']:.2f}")
+                            moved=_human_bytes(moved), stale=f"{m['staleness_mean']:.2f}")
+        t_end = time.monotonic()
         while not metrics.empty():
             rows.append(metrics.get(timeout=5))
             bar.update(1)
@@ -294,21 +302,48 @@ def main() -> None:
 
     elapsed = time.monotonic() - start
     if rows:
-        _summary(rows, played, elapsed)
+        train_s = (t_end or time.monotonic()) - t0
+        _summary(rows, played, launch_s, train_s, elapsed)
         _plot(rows, args.plot)
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot} (mean return per update)")
     if result is not None:
         solved = result["recent"] >= SOLVED
-        print(f"{'SOLVED' if solved else 'not solved'}: mean return {result['recent']:.1f} over the "
+        verdict = "SOLVED" if solved else "not solved"
+        if not solved and args.quick:
+            verdict += " (expected: --quick runs 5 updates; solving takes a few dozen)"
+        print(f"{verdict}: mean return {result['recent']:.1f} over the "
               f"last {args.solved_window} updates after {result['iterations']} updates, "
               f"{elapsed:.0f}s")
 
 
-def _summary(rows: list[dict], played: list[dict], elapsed: float) -> None:
+_INTRO = """\
+Each update: the trainer ranks take finished episodes from the 'rollouts' channel, run
+one REINFORCE step (gradients all-reduced over Gloo), and rank 0 broadcasts the new
+weights to the rollout workers, which keep playing meanwhile. The progress bar shows the
+mean episode return of the last update (ret; CartPole counts one per step balanced, up to
+500; 195 counts as solved), env steps trained per second (steps_s), data moved so far
+(channel plus weights) and the mean policy staleness of the episodes (stale: how many
+updates behind the newest weights the acting policy was)."""
+
+_QUICK_NOTE = """\
+--quick: 5 updates with 2 rollout workers, to show that everything runs end to end. It
+never solves CartPole (that takes a few dozen updates); run without --quick for that."""
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _summary(rows: list[dict], played: list[dict], launch_s: float, train_s: float,
+             elapsed: float) -> None:
     steps = sum(r["steps"] for r in rows)
     episodes = sum(r["episodes"] for r in rows)
-    mb_channel = sum(r["channel_bytes"] for r in rows) / 1e6
-    mb_bcast = sum(r["broadcast_bytes"] for r in rows) / 1e6
+    channel_bytes = sum(r["channel_bytes"] for r in rows)
+    bcast_bytes = sum(r["broadcast_bytes"] for r in rows)
     last = rows[-1]
     lines = [
         ("updates", f"{len(rows)}"),
@@ -320,13 +355,16 @@ def _summary(rows: list[dict], played: list[dict], elapsed: float) -> None:
         ("mean return, last updates", f"{last['recent']:.1f}"),
         ("policy staleness (mean / max)", f"{sum(r['staleness_mean'] for r in rows) / len(rows):.2f} / "
                                           f"{max(r['staleness_max'] for r in rows):.0f}"),
-        ("MB through the channel", f"{mb_channel:.1f}"),
-        ("MB broadcast (weights)", f"{mb_bcast:.1f}"),
-        ("env steps/s (trained)", f"{steps / elapsed:.0f}"),
+        ("episodes through the channel", _human_bytes(channel_bytes)),
+        ("weights broadcast (to all workers)", _human_bytes(bcast_bytes)),
+        ("env steps/s (trained)", f"{steps / train_s:.0f}"),
+        ("training time", f"{train_s:.1f}s"),
+        ("launch time", f"{launch_s:.1f}s"),
         ("wall time", f"{elapsed:.1f}s"),
     ]
     width = max(len(k) for k, _ in lines)
-    print("\nSummary")
+    print("\nSummary (env steps/s: steps trained on over the training time alone, launch "
+          "not counted; staleness: updates between the acting policy and the one trained)")
     print("-" * (width + 16))
     for k, v in lines:
         print(f"{k:<{width}}  {v:>12}")
@@ -337,11 +375,13 @@ def _plot(rows: list[dict], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["iteration"] for r in rows], [r["mean_return"] for r in rows], label="mean return")
     ax.axhline(SOLVED, color="gray", linestyle="--", label="solved (195)")
     ax.set_xlabel("update")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("mean episode return")
     ax.set_title("CartPole-v1, REINFORCE with baseline, rlcomm workers")
     ax.legend()

@@ -1,5 +1,6 @@
 """rlcomm: communication between distributed RL workers, on Ray and torch.distributed."""
 
+from rlcomm._version import __version__
 from rlcomm.channel import Channel
 from rlcomm.cluster import Cluster
 from rlcomm.comm.codec import set_strict_mode
@@ -32,6 +33,7 @@ from rlcomm.placement import (
     Placement,
     PlacementStrategy,
 )
+from rlcomm.settings import Settings, SettingsError, get_settings, update_settings
 from rlcomm.worker.address import WorkerAddress
 from rlcomm.worker.group import WorkerGroup
 from rlcomm.worker.multi_worker_future import MultiWorkerFuture
@@ -40,6 +42,11 @@ from rlcomm.worker.sharding import NamedSharding
 from rlcomm.worker.worker import Worker
 
 __all__ = [
+    "__version__",
+    "Settings",
+    "SettingsError",
+    "get_settings",
+    "update_settings",
     "AsyncWork",
     "CollectiveGroupOptions",
     "set_default_timeout",

@@ -7,6 +7,10 @@ there is one, what to do about it.
 from __future__ import annotations
 
 import asyncio
+import re
+
+#: The last line of a Python traceback: ``ValueError: ...`` or ``pkg.mod.Error: ...``.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(: |$)")
 
 
 class RlcommError(Exception):
@@ -16,24 +20,100 @@ class RlcommError(Exception):
 class WorkerCallError(RlcommError):
     """A worker method raised on a remote rank.
 
+    When the remote exception could be brought back, the error the driver sees is also
+    an instance of the remote exception's class (as Ray's errors are), so both
+    ``except WorkerCallError`` and ``except ValueError`` catch a ``ValueError`` raised in a
+    worker; the remote exception's attributes are copied onto it. Its message starts
+    with the remote message, then names the group, rank and method, then the remote
+    traceback (trimmed, without colour codes).
+
     Attributes:
         group_name: the worker group whose rank failed.
         rank: the failing rank.
         method: the method that was called.
         remote_traceback: the traceback text from the remote process.
+        cause: the remote exception, or None when it could not be brought back (an
+            actor that died, an exception that does not unpickle).
     """
 
-    def __init__(self, group_name: str, rank: int, method: str, remote_traceback: str):
+    def __init__(
+        self,
+        group_name: str,
+        rank: int,
+        method: str,
+        remote_traceback: str,
+        cause: BaseException | None = None,
+    ):
         self.group_name = group_name
         self.rank = rank
         self.method = method
         self.remote_traceback = remote_traceback
-        super().__init__(
-            f"{group_name}[rank {rank}].{method}() failed on the remote worker:\n{remote_traceback}"
-        )
+        self.cause = cause
+        where = f"{group_name}[rank {rank}].{method}()"
+        lines = remote_traceback.strip().splitlines() if remote_traceback else []
+        if cause is not None or (len(lines) > 1 and _EXCEPTION_LINE.match(lines[-1])):
+            # The exception's own line first, then where it was raised, then the traceback.
+            first = lines[-1] if cause is None else (
+                f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+            )
+            text = f"{first}\n(raised in {where} on the remote worker)"
+            if lines:
+                text += f"\nremote traceback:\n{remote_traceback}"
+        else:  # one line of text (an actor that died): no traceback to show
+            text = f"{where} failed on the remote worker" + (f": {lines[0]}" if lines else "")
+        self._message = text
+        # Exception's own __init__: the remote class's may take other arguments.
+        Exception.__init__(self, text)
+
+    def __str__(self) -> str:
+        return self._message
 
     def __reduce__(self):
-        return (type(self), (self.group_name, self.rank, self.method, self.remote_traceback))
+        return (
+            worker_call_error,
+            (self.group_name, self.rank, self.method, self.remote_traceback, self.cause),
+        )
+
+
+_typed_error_classes: dict[type, type] = {}
+
+
+def worker_call_error(
+    group_name: str,
+    rank: int,
+    method: str,
+    remote_traceback: str,
+    cause: BaseException | None = None,
+) -> WorkerCallError:
+    """A :class:`WorkerCallError` that is also an instance of ``type(cause)`` where
+    Python allows such a class (not for ``BaseException`` subclasses outside
+    ``Exception``, nor classes whose layout clashes); a plain one otherwise."""
+    if cause is None or isinstance(cause, WorkerCallError):
+        return WorkerCallError(group_name, rank, method, remote_traceback, cause)
+    cause_cls = type(cause)
+    cls = _typed_error_classes.get(cause_cls)
+    if cls is None and issubclass(cause_cls, Exception):
+        try:
+            cls = type(
+                f"WorkerCallError({cause_cls.__name__})",
+                (WorkerCallError, cause_cls),
+                {"__module__": __name__, "__init__": WorkerCallError.__init__,
+                 "__str__": WorkerCallError.__str__},
+            )
+        except TypeError:  # layout conflict, final class
+            cls = None
+        if cls is not None:
+            _typed_error_classes[cause_cls] = cls
+    if cls is None:
+        return WorkerCallError(group_name, rank, method, remote_traceback, cause)
+    try:
+        err = cls.__new__(cls, str(cause))
+        for key, value in getattr(cause, "__dict__", {}).items():
+            setattr(err, key, value)
+        WorkerCallError.__init__(err, group_name, rank, method, remote_traceback, cause)
+    except Exception:  # the remote class's __new__ or attributes do not fit
+        return WorkerCallError(group_name, rank, method, remote_traceback, cause)
+    return err
 
 
 class WorkerGroupError(RlcommError):

@@ -38,7 +38,10 @@ def ray_local():
     """The shared single-node local Ray (started once, reused by every test)."""
     if _state["kind"] != "local" or not ray.is_initialized():
         _shutdown_current()
-        ray.init(include_dashboard=False, logging_level=logging.WARNING, num_cpus=2)
+        # address="local": a Ray of this session's own, never one that another process
+        # started on this machine (Ray attaches to the latest `ray start` cluster otherwise).
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,
+                 num_cpus=2)
         _state["kind"] = "local"
     yield
 

@@ -12,15 +12,43 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: Lines that read like a failure: Python logging at WARNING and above, Python warnings,
+#: tracebacks, and Ray's own C++ log lines at warning (W) or error (E).
+_ALARMING = re.compile(
+    r"\b(WARNING|ERROR|CRITICAL)\b|\w+Warning: |^Traceback \(most recent call last\)"
+    r"|^\[[\d\- :,]+ [WEF] \d+ \d+\]"
+)
+
+
+def alarming_lines(text: str) -> list[str]:
+    """The lines of ``text`` (tqdm's carriage returns split too) that look like failures."""
+    lines = text.replace("\r", "\n").splitlines()
+    return [line for line in lines if _ALARMING.search(re.sub(r"\x1b\[[0-9;]*m", "", line))]
+
+
 def run_example(*args: str, timeout: float = 240) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS="")
-    env.pop("RAY_ADDRESS")
+    """Run an example as a user would; its stdout. Fails if it exits non-zero or if a
+    normal run prints anything that looks like a failure (WARNING, ERROR, a traceback)."""
+    # "local": a Ray of its own, not one that another process started with `ray start`
+    # on this machine (Ray attaches to the latest such one when no address is given).
+    env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS="local")
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=timeout,
     )
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    alarming = alarming_lines(proc.stdout + "\n" + proc.stderr)
+    assert not alarming, f"{args} printed lines that read like failures:\n" + "\n".join(alarming)
     return proc.stdout
+
+
+def test_alarming_lines_are_recognised():
+    sample = (
+        "ok\n\x1b[36m(Actor pid=1)\x1b[0m WARNING rlcomm.x: slow\nfoo.py:3: UserWarning: hm\n"
+        "[2026-11-23 21:30:36,676 E 25249 25249] logging.cc:474: boom\nbar\r"
+        "ERROR rlcomm: x\nTraceback (most recent call last):\nwarnings are fine in prose\n"
+    )
+    assert len(alarming_lines(sample)) == 5
 
 
 @pytest.mark.timeout(300)
@@ -44,7 +72,10 @@ def test_rollout_to_trainer_quick(tmp_path):
     updates = int(re.search(r"updates\s+(\d+)", out).group(1))
     assert updates == 5, out
     assert int(re.search(r"episodes trained on\s+(\d+)", out).group(1)) >= 5 * 16
-    assert float(re.search(r"MB through the channel\s+([\d.]+)", out).group(1)) > 0
+    assert float(re.search(r"episodes through the channel\s+([\d.]+) [KMG]?B", out).group(1)) > 0
+    assert re.search(r"weights broadcast \(to all workers\)\s+[1-9][\d.]* [KMG]?B", out), out
+    assert "never solves CartPole" in out
+    assert "not solved (expected: --quick" in out
     assert int(re.search(r"policy version reached\s+(\d+)", out).group(1)) == updates
     assert plot.exists() and plot.stat().st_size > 1000
 

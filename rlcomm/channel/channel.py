@@ -406,6 +406,21 @@ class Channel:
             return
         lifecycle.shut_down(self._info)
 
+    def __enter__(self) -> Channel:
+        """``with Channel.create(...) as ch:`` closes the channel (:meth:`close`) on exit;
+        the channel worker lives on until :meth:`shutdown` or its creator's end."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Channel:
+        """``async with``: closes the channel (:meth:`aclose`) on exit."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
     def stats(self) -> list[dict[str, Any]]:
         """Per channel worker: its node id and counters (items put and got per key).
 

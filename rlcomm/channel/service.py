@@ -120,7 +120,8 @@ class ChannelService:
             if self._registrations.get(client, 0) == seen:
                 self._listening.pop(client, None)
                 self._outboxes.pop(client, None)
-                logger.info("channel %r: client %s is gone (%s)", self._channel_name, client, exc)
+                # A client process that ended is part of every normal shutdown.
+                logger.debug("channel %r: client %s is gone (%s)", self._channel_name, client, exc)
                 return
         # A new process at the same address (a restarted worker) registered while this
         # one still read the old connection: listen to the new one (not on this thread,

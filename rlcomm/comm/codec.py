@@ -29,7 +29,6 @@ import dataclasses
 import importlib
 import io
 import math
-import os
 import pickle
 import threading
 from collections import ChainMap
@@ -41,22 +40,21 @@ import msgspec
 import torch
 
 from rlcomm.errors import CodecError
+from rlcomm.settings import get_settings, update_settings
 
 PICKLE_PROTOCOL = 5
-
-_strict = os.environ.get("RLCOMM_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def set_strict_mode(strict: bool) -> None:
     """Refuse (True) or allow (False) received pickles that name any class or function
-    beyond plain values and tensors, in this process (see the module docstring)."""
-    global _strict
-    _strict = bool(strict)
+    beyond plain values and tensors, in this process (see the module docstring); the
+    ``strict`` setting, so workers launched afterwards get it too."""
+    update_settings(strict=bool(strict))
 
 
 def strict_mode() -> bool:
     """Whether strict mode is on in this process."""
-    return _strict
+    return get_settings().strict
 
 
 #: What a strict unpickler may build besides the opcodes for plain values.
@@ -348,7 +346,7 @@ def _unpickle(data: bytes | torch.Tensor, what: str) -> Any:
         if isinstance(data, torch.Tensor):  # a zero-copy buffer for pickle
             is_flat_bytes = data.dtype is torch.uint8 and data.dim() == 1 and data.is_cpu
             data = data.numpy() if is_flat_bytes else as_bytes(data).cpu().numpy()
-        if _strict:
+        if strict_mode():
             return _StrictUnpickler(io.BytesIO(data)).load()
         return pickle.loads(data)
     except CodecError:
@@ -505,7 +503,7 @@ def _resolve_class(path: str | bytes, cached: bool = True) -> type:
     cls = _CLASSES.get(path) if cached else None
     if cls is None:
         if isinstance(path, bytes):
-            if _strict:
+            if strict_mode():
                 raise CodecError(
                     "strict mode: a dataclass sent by value (defined in a script or a "
                     "function) is refused; define it in an importable module"
@@ -554,7 +552,7 @@ class _LeafUnpickler(pickle.Unpickler):
         self.persistent_load = lambda pid: _tensor_at(tensors, pid)
 
     def find_class(self, module: str, name: str) -> Any:
-        if _strict:
+        if strict_mode():
             return _StrictUnpickler.find_class(self, module, name)  # type: ignore[arg-type]
         return super().find_class(module, name)
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-#: Default seconds a communication op may take (``RLCOMM_COMM_TIMEOUT``).
-COMM_TIMEOUT_ENV = "RLCOMM_COMM_TIMEOUT"
-_TRANSPORTS = ("auto", "gloo", "shm")
+from rlcomm.settings import get_settings, update_settings
+
 #: RLinf's NCCL tuning fields: accepted, validated, ignored (see the class docstring).
 _IGNORED_FIELDS = (
     "accel_cluster_size",
@@ -18,27 +16,23 @@ _IGNORED_FIELDS = (
     "use_ring_broadcast",
 )
 
-_default_timeout: float | None = None
+_TRANSPORTS = ("auto", "gloo", "shm")
 
 
 def set_default_timeout(seconds: float) -> None:
-    """Set the process-wide default timeout of communication ops (seconds, > 0)."""
-    global _default_timeout
+    """Set the process-wide default timeout of communication ops (seconds, > 0).
+
+    The same as ``rlcomm.update_settings(comm_timeout=seconds)``.
+    """
     if seconds <= 0:
         raise ValueError(f"the default timeout must be > 0 seconds, got {seconds}")
-    _default_timeout = float(seconds)
+    update_settings(comm_timeout=float(seconds))
 
 
 def default_timeout() -> float:
-    """The process-wide default op timeout: set_default_timeout, else the env (read
-    when rlcomm is imported), else 180 s."""
-    if _default_timeout is not None:
-        return _default_timeout
-    return _ENV_TIMEOUT
-
-
-#: ``RLCOMM_COMM_TIMEOUT`` as it was when rlcomm was imported (read once: ops are hot).
-_ENV_TIMEOUT = float(os.environ.get(COMM_TIMEOUT_ENV, 180.0))
+    """The process-wide default op timeout: the ``comm_timeout`` setting
+    (``RLCOMM_COMM_TIMEOUT``, 180 s unless set)."""
+    return get_settings().comm_timeout
 
 
 @dataclass(frozen=True)
@@ -126,36 +120,26 @@ class CollectiveGroupOptions:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-#: Received-but-unread bytes one connection may hold before it stops reading (the sender
-#: then waits, and times out with a clear error): ``RLCOMM_MAX_UNREAD_BYTES``, 1 GiB.
-MAX_UNREAD_ENV = "RLCOMM_MAX_UNREAD_BYTES"
-#: Largest message (all its tensors together) a receiver accepts; a header declaring more
-#: closes the connection before anything is allocated: ``RLCOMM_MAX_MESSAGE_BYTES``, 32 GiB.
-MAX_MESSAGE_ENV = "RLCOMM_MAX_MESSAGE_BYTES"
-_limits = {
-    "unread": int(os.environ.get(MAX_UNREAD_ENV, 1 << 30)),
-    "message": int(os.environ.get(MAX_MESSAGE_ENV, 32 << 30)),
-}
-
-
 def max_unread_bytes() -> int:
-    """The cap on a connection's received-but-unread bytes (see :data:`MAX_UNREAD_ENV`)."""
-    return _limits["unread"]
+    """The cap on a connection's received-but-unread bytes (``RLCOMM_MAX_UNREAD_BYTES``)."""
+    return get_settings().max_unread_bytes
 
 
 def max_message_bytes() -> int:
-    """The largest message a receiver accepts (see :data:`MAX_MESSAGE_ENV`)."""
-    return _limits["message"]
+    """The largest message a receiver accepts (``RLCOMM_MAX_MESSAGE_BYTES``)."""
+    return get_settings().max_message_bytes
 
 
 def set_memory_limits(max_unread: int | None = None, max_message: int | None = None) -> None:
     """Change this process's memory limits: ``max_unread`` bytes held unread per
     connection (connections made from now on), ``max_message`` bytes per message."""
-    for key, value in (("unread", max_unread), ("message", max_message)):
+    changes = {}
+    for key, value in (("max_unread_bytes", max_unread), ("max_message_bytes", max_message)):
         if value is not None:
             if value <= 0:
                 raise ValueError(f"memory limits must be > 0 bytes, got {value}")
-            _limits[key] = int(value)
+            changes[key] = int(value)
+    update_settings(**changes)
 
 
 def op_timeout(options: CollectiveGroupOptions | None) -> float:

@@ -61,7 +61,7 @@ class AsyncWork:
 
         Raises:
             CommTimeoutError: not done in time (the op itself goes on).
-            Whatever the op raised.
+            Exception: whatever the op raised.
         """
         timeout = self._resolve_timeout(timeout)
         try:

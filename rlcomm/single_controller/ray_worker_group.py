@@ -49,7 +49,8 @@ class RayClassWithInitArgs:
 
     Args:
         cls: a :class:`~rlcomm.Worker` subclass, plain or wrapped in ``@ray.remote``.
-        args, kwargs: passed to every rank's ``__init__``.
+        *args: passed to every rank's ``__init__``.
+        **kwargs: passed to every rank's ``__init__``.
     """
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any):

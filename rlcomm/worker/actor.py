@@ -21,12 +21,11 @@ from typing import Any
 import ray
 
 from rlcomm.comm.manager import CommManager
+from rlcomm.settings import GROUP_NAME_ENV, get_settings, update_settings
 from rlcomm.worker.address import WorkerAddress
-from rlcomm.worker.worker import GROUP_NAME_ENV, Worker
+from rlcomm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-CATCH_FAILURE_ENV = "RLCOMM_CATCH_FAILURE"
 
 
 @dataclass
@@ -39,10 +38,29 @@ class WorkerContext:
     env: dict[str, str] = field(default_factory=dict)
     catch_system_failure: bool = True
     disable_distributed_log: bool = False
+    #: The live settings the driver changed (``rlcomm.settings.live_changes()``).
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def catch_failure_default() -> bool:
-    return os.environ.get(CATCH_FAILURE_ENV, "1").lower() not in ("0", "false", "no", "off")
+    return get_settings().catch_failure
+
+
+_LOG_HANDLER_NAME = "rlcomm-worker-stderr"
+
+
+def pass_on_rlcomm_logs(level: str) -> None:
+    """In a worker process: write the ``rlcomm`` logger's records of ``level`` and above
+    to stderr, which Ray forwards to the driver. Only the ``rlcomm`` logger is touched
+    (never the root logger), and only once per process."""
+    rlcomm_logger = logging.getLogger("rlcomm")
+    rlcomm_logger.setLevel(level)
+    if any(h.get_name() == _LOG_HANDLER_NAME for h in rlcomm_logger.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.set_name(_LOG_HANDLER_NAME)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    rlcomm_logger.addHandler(handler)
 
 
 def find_free_port() -> int:
@@ -73,7 +91,7 @@ def _install_failure_hooks(address: WorkerAddress) -> None:
             signal.signal(sig, on_signal)
         except ValueError:  # not the main thread of the process
             break
-    atexit.register(lambda: logger.info("worker %s process exiting", address))
+    atexit.register(lambda: logger.debug("worker %s process exiting", address))
 
 
 def _wrap_for_exit_logging(name: str, fn: Any) -> Any:
@@ -120,8 +138,10 @@ def make_actor_class(worker_cls: type[Worker], catch_system_failure: bool) -> ty
         os.environ.update(ctx.env)
         os.environ[GROUP_NAME_ENV] = ctx.group_name
         address = WorkerAddress(ctx.group_name, (ctx.rank,))
+        if ctx.settings:
+            update_settings(**ctx.settings)
         if not ctx.disable_distributed_log:
-            logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+            pass_on_rlcomm_logs(get_settings().log_level)
         if ctx.catch_system_failure:
             _install_failure_hooks(address)
         self._bind_identity(address, ctx.world_size)

@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster
+from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster, connect_ray
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import (
     BundlePlacementStrategy,
@@ -21,6 +21,7 @@ from rlcomm.placement import (
     Placement,
     PlacementStrategy,
 )
+from rlcomm.settings import get_settings, live_changes
 from rlcomm.worker.actor import (
     WorkerContext,
     catch_failure_default,
@@ -45,12 +46,51 @@ logger = logging.getLogger(__name__)
 
 W = TypeVar("W", bound=Worker)
 
-#: CPUs each worker actor reserves (default 0: any number of workers fit a node).
-WORKER_NUM_CPUS_ENV = "RLCOMM_WORKER_NUM_CPUS"
-
-
 def actor_name(group_name: str, rank: int) -> str:
     return f"{group_name}:{rank}"
+
+
+def check_group_name(name: object, where: str) -> None:
+    """Raise unless ``name`` can name a worker group: a non-empty str without ``:``
+    (``:`` separates group and rank in addresses such as ``actors:0``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: a group name must be a str, got {type(name).__name__} {name!r}")
+    if not name or name != name.strip():
+        raise ValueError(f"{where}: a group name must be non-empty, without surrounding "
+                         f"spaces; got {name!r}")
+    if ":" in name:
+        raise ValueError(f"{where}: group name {name!r} contains ':', which separates group "
+                         "and rank in worker addresses (e.g. 'actors:0'); use '_' or '-' instead")
+
+
+def _check_launch_args(cluster: object, placement_strategy: object, name: object,
+                       max_concurrency: object, env_vars: object) -> None:
+    if not isinstance(cluster, Cluster):
+        hint = ""
+        if isinstance(cluster, PlacementStrategy):
+            hint = "; the placement strategy goes second: launch(cluster, placement_strategy)"
+        elif cluster is None:
+            hint = "; make one with Cluster(num_nodes=1) (it attaches to or starts Ray)"
+        raise TypeError(f"launch: the first argument must be an rlcomm.Cluster, got "
+                        f"{type(cluster).__name__} {cluster!r}{hint}")
+    if placement_strategy is not None and not isinstance(placement_strategy, PlacementStrategy):
+        raise TypeError(
+            "launch: placement_strategy must be a PlacementStrategy (PackedPlacementStrategy, "
+            "FlexiblePlacementStrategy, NodePlacementStrategy) or None, got "
+            f"{type(placement_strategy).__name__} {placement_strategy!r}"
+        )
+    if name is not None:
+        check_group_name(name, "launch")
+    if max_concurrency is not None and (
+        not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool)
+        or max_concurrency < 1
+    ):
+        raise ValueError(f"launch: max_concurrency must be an int >= 1 or None, got {max_concurrency!r}")
+    if env_vars is not None and (
+        not isinstance(env_vars, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
+    ):
+        raise TypeError(f"launch: env_vars must be a dict of str to str, got {env_vars!r}")
 
 
 class _GroupMethod:
@@ -178,7 +218,9 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
             isolate_gpu: set ``CUDA_VISIBLE_DEVICES`` to the worker's GPUs only.
             catch_system_failure: log fatal signals and ``sys.exit`` with the worker's
                 address; default from ``RLCOMM_CATCH_FAILURE`` (on).
-            disable_distributed_log: skip the worker-side logging set-up.
+            disable_distributed_log: skip the worker-side logging set-up (by default a
+                worker writes rlcomm's records at the ``log_level`` setting, WARNING, and
+                above to its stderr, which Ray forwards to the driver).
             env_vars: extra environment variables for every worker. A worker class may
                 adjust them (and its Ray resources and ``__init__`` kwargs) with a
                 ``configure_worker(num_gpus, bundle_indices)`` hook. Precedence, as
@@ -198,11 +240,14 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         Raises:
             WorkerGroupError: the name is taken, a worker method clashes with a group
                 method, or a worker's ``__init__`` failed.
-            ValueError: the placement strategy does not fit the cluster, or the sharding
-                does not fit the workers.
+            TypeError: an argument of the wrong type (a placement strategy where the
+                cluster goes, a non-str name, ...).
+            ValueError: a name with ``:``, the placement strategy does not fit the
+                cluster, or the sharding does not fit the workers.
         """
         if self._actors or self._shut_down:
             raise WorkerGroupError(f"group {self._name} was launched already")
+        _check_launch_args(cluster, placement_strategy, name, max_concurrency, env_vars)
         methods = [m for m in public_methods(self._worker_cls) if m != CONFIGURE_HOOK]
         clashes = sorted(m for m in methods if hasattr(type(self), m))
         if clashes:
@@ -269,7 +314,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
                 ).remote()
             )
         actor_cls = ray.remote(make_actor_class(self._worker_cls, catch_system_failure))
-        num_cpus = float(os.environ.get(WORKER_NUM_CPUS_ENV, 0))
+        num_cpus = get_settings().worker_num_cpus
         gpus_per_node = max((n.num_gpus for n in cluster.nodes), default=0)
         actors = []
         for p in placements:
@@ -316,6 +361,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
                 env=env,
                 catch_system_failure=catch_system_failure,
                 disable_distributed_log=disable_distributed_log,
+                settings=live_changes(),
             )
             actors.append(
                 actor_cls.options(**resolved.actor_options).remote(
@@ -329,7 +375,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         # The first call on each actor waits for its __init__ and surfaces its errors.
         infos = GroupResult(name, "__init__", [p.rank for p in placements], [
             a._rlcomm_node_info.remote() for a in actors
-        ]).wait(timeout=float(os.environ.get("RLCOMM_LAUNCH_TIMEOUT", 300)))
+        ]).wait(timeout=get_settings().launch_timeout)
         ray.get(
             registry().set_group.remote(
                 name,
@@ -393,12 +439,24 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
     def from_group_name(cls, worker_cls: type[W], group_name: str) -> WorkerGroup[W]:
         """Reconnect to a running group by name (from the driver or from a worker).
 
+        Looks in the Ray this process is attached to, else attaches to ``RAY_ADDRESS``
+        (bounded by the ``connect_timeout`` setting); it never starts a new Ray.
+
         Raises:
             WorkerGroupError: no group of that name is running.
+            RlcommError: no Ray is attached and ``RAY_ADDRESS`` is unset or unreachable.
         """
-        info = ray.get(registry().get_group.remote(group_name))
+        check_group_name(group_name, "from_group_name")
+        if not ray.is_initialized():
+            connect_ray(os.environ.get("RAY_ADDRESS") or None, get_settings().connect_timeout,
+                        start_local=False)
+        info = ray.get(registry().get_group.remote(group_name), timeout=get_settings().connect_timeout)
         if not info or info.get("pending"):
-            raise WorkerGroupError(f"no running worker group named {group_name!r}")
+            raise WorkerGroupError(
+                f"no running worker group named {group_name!r} in the Ray at "
+                f"{ray.get_runtime_context().gcs_address}; launch it first, or attach to the "
+                "Ray where it runs (RAY_ADDRESS)"
+            )
         group = cls(worker_cls)
         group._name = group_name
         group._actors = [
@@ -454,6 +512,14 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         except ray.exceptions.RayError as exc:
             logger.warning("could not unregister group %s: %s", self._name, exc)
         return clean
+
+    def __enter__(self) -> WorkerGroup[W]:
+        """``with Worker.create_group().launch(cluster) as group:`` shuts the group down
+        (:meth:`shutdown`, default arguments) on exit, also when the block raised."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.worker_cls_name}, name={self._name!r}, world_size={self.world_size})"

@@ -13,7 +13,8 @@ from typing import Any
 
 import ray
 
-from rlcomm.cluster import RLCOMM_NAMESPACE
+from rlcomm.cluster import RLCOMM_NAMESPACE, connect_ray
+from rlcomm.settings import get_settings
 
 REGISTRY_NAME = "rlcomm.registry"
 
@@ -60,8 +61,19 @@ _handle_lock = threading.Lock()
 
 
 def registry():
-    """The registry actor handle, created on first use (cached per Ray job of this process)."""
+    """The registry actor handle, created on first use (cached per Ray job of this process).
+
+    In a process with no Ray attached it attaches to ``RAY_ADDRESS`` (bounded by the
+    ``connect_timeout`` setting) and never starts a new Ray: a lookup in a new, empty Ray
+    would only find nothing.
+
+    Raises:
+        RlcommError: no Ray is attached and ``RAY_ADDRESS`` is unset or unreachable.
+    """
     global _handle
+    if not ray.is_initialized():
+        connect_ray(os.environ.get("RAY_ADDRESS") or None, get_settings().connect_timeout,
+                    start_local=False)
     ctx = ray.get_runtime_context()
     job = f"{ctx.gcs_address}/{ctx.get_job_id()}"
     with _handle_lock:

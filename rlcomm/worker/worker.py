@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from rlcomm.settings import group_name_from_env
 from rlcomm.worker.address import RankLike, WorkerAddress
 from rlcomm.worker.dispatch import DispatchInfoMixin
 
@@ -18,9 +19,6 @@ if TYPE_CHECKING:
     from rlcomm.worker.group import WorkerGroup
 
 W = TypeVar("W", bound="Worker")
-
-#: Environment variable carrying the group name into a worker process.
-GROUP_NAME_ENV = "RLCOMM_GROUP_NAME"
 
 
 class _class_or_remote_method(classmethod):
@@ -66,7 +64,7 @@ class Worker(DispatchInfoMixin):
 
             CommManager.start(self._worker_address)
         elif not self._rlcomm_bound:
-            group = os.environ.get(GROUP_NAME_ENV, "driver")
+            group = group_name_from_env() or "driver"
             self._bind_identity(
                 WorkerAddress(group, (int(os.environ.get("RANK", 0)),)),
                 int(os.environ.get("WORLD_SIZE", 1)),
@@ -106,7 +104,8 @@ class Worker(DispatchInfoMixin):
         given to ``@ray.remote``.
 
         Args:
-            args, kwargs: passed to every rank's ``__init__``.
+            *args: passed to every rank's ``__init__``.
+            **kwargs: passed to every rank's ``__init__``.
         """
         from rlcomm.worker.group import WorkerGroup
 

@@ -9,17 +9,18 @@ on, which every torch view keeps alive). Buffers below :data:`MIN_BYTES` are not
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
 import numpy as np
 import torch
 
+from rlcomm.settings import get_settings
+
 #: Payloads smaller than this are received into fresh tensors.
 MIN_BYTES = 1 << 20
 #: Most bytes of free buffers kept per process (``RLCOMM_RECV_POOL_BYTES``).
-POOL_BYTES = int(os.environ.get("RLCOMM_RECV_POOL_BYTES", 2 << 30))
+POOL_BYTES = get_settings().recv_pool_bytes
 
 _lock = threading.Lock()
 _free: dict[int, list[np.ndarray]] = {}  # capacity -> free buffers

@@ -62,10 +62,11 @@ from rlcomm.comm.transports.shm_memory import (
 from rlcomm.comm.transports.shm_signals import SignalSockets
 from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 from rlcomm.errors import CommTimeoutError, PeerLostError
+from rlcomm.settings import get_settings
 
 #: The ring's lock-free counters rely on x86-64 keeping stores in order.
 SHM_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "memfd_create")
-_MAX_IN_FLIGHT = int(os.environ.get("RLCOMM_SHM_MAX_IN_FLIGHT", 32))
+_MAX_IN_FLIGHT = get_settings().shm_max_in_flight
 #: A receiver holding this many of the sender's segments (zero-copy views it keeps, like a
 #: queue's items) copies later payloads out instead, so that the sender does not run out
 #: of segments and fall back to streaming large payloads through the ring.

@@ -17,12 +17,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rlcomm.settings import get_settings
+
 #: Bytes of each direction's ring (payloads below the segment threshold, descriptors).
-RING_BYTES = int(os.environ.get("RLCOMM_SHM_RING_BYTES", 8 << 20))
+RING_BYTES = get_settings().shm_ring_bytes
 #: Payloads of at least this many bytes go through pooled segments.
-SEGMENT_THRESHOLD = int(os.environ.get("RLCOMM_SHM_SEGMENT_THRESHOLD", 256 << 10))
+SEGMENT_THRESHOLD = get_settings().shm_segment_threshold
 #: Most bytes of segments one direction keeps; past it, payloads stream through the ring.
-POOL_BYTES = int(os.environ.get("RLCOMM_SHM_POOL_BYTES", 4 << 30))
+POOL_BYTES = get_settings().shm_pool_bytes
 #: Most segments one direction may have.
 MAX_SEGMENTS = 1024
 #: Bytes of a ring's control block, before its data.

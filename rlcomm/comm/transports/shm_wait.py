@@ -22,13 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rlcomm.errors import PeerLostError
+from rlcomm.settings import get_settings
 
 if TYPE_CHECKING:
     from rlcomm.comm.transports.shm import ShmTransport
 
 #: Most seconds a waiter checks the rings before it sleeps (``RLCOMM_SHM_SPIN_US``;
 #: 0 turns spinning off).
-SPIN_SECONDS = float(os.environ.get("RLCOMM_SHM_SPIN_US", 200)) / 1e6
+SPIN_SECONDS = get_settings().shm_spin_us / 1e6
 #: A waiter's first sleep is this short (seconds); see the module docstring.
 RECHECK = 0.001
 
