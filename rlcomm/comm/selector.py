@@ -140,7 +140,7 @@ class Selector:
         deadline = time.monotonic() + LINGER if again else None
         if held:
             wake_fds = [self._wake_r, *(conn.wake_fd for conn in held)]
-            if wait_for_data(list(held.values()), deadline, wake_fds, self._spin):
+            if wait_for_data(list(held.values()), deadline, wake_fds, self._spin, mark_lost=True):
                 return
         else:
             poller = select.poll()

@@ -17,6 +17,7 @@ from typing import Any
 from rlcomm.cluster import Cluster
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import NodeSpec, Placement, PlacementStrategy
+from rlcomm.settings import GROUP_NAME_ENV
 from rlcomm.single_controller.decorator import dispatch_spec_of
 from rlcomm.single_controller.dispatched_call import DispatchedMethod
 from rlcomm.single_controller.resource_pool import RayResourcePool
@@ -37,7 +38,7 @@ __all__ = ["PROTECTED_WORKER_ENV", "RayClassWithInitArgs", "RayWorkerGroup"]
 #: raises ``ValueError`` for its own list, which this one contains).
 PROTECTED_WORKER_ENV = frozenset({
     "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "RAY_LOCAL_WORLD_SIZE", "WG_PREFIX", "WG_BACKEND", "RLCOMM_GROUP_NAME",
+    "MASTER_PORT", "RAY_LOCAL_WORLD_SIZE", "WG_PREFIX", "WG_BACKEND", GROUP_NAME_ENV,
 })
 
 #: ``device_name=`` values verl passes; on a CPU pool every one of them means CPU.

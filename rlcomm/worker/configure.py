@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rlcomm.settings import GROUP_NAME_ENV
+
 logger = logging.getLogger(__name__)
 
 #: The name of the optional hook on a worker class.
@@ -61,7 +63,7 @@ _KEPT_CLASS_OPTIONS = ("runtime_env", "max_concurrency", "concurrency_groups")
 #: Ray or rlcomm assign per worker, and rlcomm's group name.
 _DRIVER_ENV_PREFIXES = ("RAY_",)
 _DRIVER_ENV_SUFFIXES = ("_VISIBLE_DEVICES",)
-_DRIVER_ENV_SKIP = frozenset({"RLCOMM_GROUP_NAME"})
+_DRIVER_ENV_SKIP = frozenset({GROUP_NAME_ENV})
 
 
 def unwrap_ray_remote(cls: Any) -> tuple[type, dict[str, Any]]:

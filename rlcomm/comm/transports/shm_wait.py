@@ -72,14 +72,16 @@ def wait_for_data(
     deadline: float | None,
     wake_fds: Sequence[int],
     spin: Spin,
+    mark_lost: bool = False,
 ) -> bool:
     """Wait until one of ``transports`` has incoming data (True), or until ``deadline`` or
     one of ``wake_fds`` becomes readable (False; the fd is not read).
 
     Raises:
-        PeerLostError: a peer's signalling socket broke. With several transports the
-            broken one is marked lost instead (its next receive raises at once) and
-            True is returned, so the caller goes on to read it.
+        PeerLostError: a peer's signalling socket broke. With several transports, or
+            with ``mark_lost`` (a selector's wait), the broken one is marked lost
+            instead (its next receive raises at once) and True is returned, so the
+            caller goes on to read it.
     """
     ready = _any_ready(transports)
     if ready() or spin.until(ready, deadline):
@@ -114,7 +116,7 @@ def wait_for_data(
                 try:
                     t.read_signal()
                 except PeerLostError:
-                    if len(transports) == 1:
+                    if len(transports) == 1 and not mark_lost:
                         raise
                     t.mark_lost()
                     return True
