@@ -36,14 +36,16 @@ def test_tables_give_rlcomm_over_each_baseline():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_bench_flows_quick_end_to_end(tmp_path):
+    # About 25 processes start (workers, actors, channel workers): 465 s on the shared
+    # 2-core machine at load ~25 beside a full bench run; far less on a quiet one.
     out_json, out_png = tmp_path / "flows.json", tmp_path / "flows.png"
     out = run_example(
         "scripts/bench_flows.py", "--quick", "--sync-mib", "2", "--receivers", "1,2",
         "--rollout-mib", "4", "--repeats", "1", "--stream-scale", "0.01",
         "--stream-repeats", "1", "--no-rlinf", "--json", str(out_json), "--plot", str(out_png),
-        timeout=560,
+        timeout=840,
     )
     assert "Weight sync, 2 MiB state dict" in out and "Channel stream" in out
     got = json.loads(out_json.read_text())
