@@ -44,7 +44,8 @@ from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 logger = logging.getLogger(__name__)
 
 #: Most slots a source keeps (one flag byte each in a receiver's one-page flags memfd).
-MAX_SLOTS = 64
+#: With all of them held (receivers keep views, or have not yet read), the source waits.
+MAX_SLOTS = max(1, min(int(os.environ.get("RLCOMM_BCAST_MAX_SLOTS", 4)), 4096))
 #: Largest frame that rides inside a datagram (a message without payload).
 MAX_INLINE_FRAME = 32 << 10
 #: Alignment of the frame's end and of each payload tensor in a slot.
@@ -217,6 +218,9 @@ class FanoutSource:
                 slot = _Slot(len(self.slots), size)
                 self.slots.append(slot)
                 return slot
+            free = [s for s in self.slots if not any(link.flags[s.index] for link in links)]
+            if free and self.pool_bytes - free[0].size + size <= POOL_BYTES:
+                return self._replace(free[0], size)  # free but too small: a bigger one
             if time.monotonic() > deadline:
                 holders = sorted(link.member for link in links if any(
                     link.flags[s.index] for s in self.slots if s.size >= need
@@ -228,6 +232,19 @@ class FanoutSource:
                 )
             time.sleep(wait)
             wait = min(wait * 2, 0.005)
+
+    def _replace(self, old: _Slot, size: int) -> _Slot:
+        slot = _Slot(old.index, size)
+        self.slots[old.index] = slot
+        old.tensor = None
+        os.close(old.fd)
+        try:
+            old.mm.close()
+        except BufferError:  # a view of it is still alive here; it unmaps when freed
+            pass
+        for link in self._links.values():
+            link.sent.discard(old.index)  # its new memory goes with its next message
+        return slot
 
     def publish(
         self, seq: int, frame: bytes, payload: Sequence[torch.Tensor], deadline: float
@@ -398,7 +415,7 @@ class FanoutSink:
             if len(frame) != frame_len:
                 raise PeerLostError(f"{self._label}: a truncated frame")
             return FanoutMessage(seq, frame, None)
-        if slot >= min(MAX_SLOTS, _FLAGS_BYTES):
+        if slot >= _FLAGS_BYTES:
             raise PeerLostError(f"{self._label}: slot {slot} out of range")
         if has_fd:
             if len(fds) != 1:
