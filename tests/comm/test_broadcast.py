@@ -55,6 +55,13 @@ class Caster(Worker):
             del got
         return ok, self.broadcast_pool_bytes()
 
+    def broadcast_plan(self, groups, src_index):
+        """The local and remote receivers this member's group computes for a source."""
+        from rlcomm.comm.broadcast import expand_groups
+
+        group = self._comm._bcast[tuple(expand_groups(groups))]
+        return group.plan(src_index)
+
     def broadcast_pool_bytes(self):
         return sum(g.pool_bytes for g in self._comm._bcast.values())
 
