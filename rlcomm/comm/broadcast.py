@@ -32,7 +32,8 @@ from rlcomm.comm.broadcast_gloo import GlooBroadcast
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.shm import SHM_SUPPORTED
-from rlcomm.comm.transports.shm_fanout import FanoutSink, FanoutSource
+from rlcomm.comm.transports.shm_fanout import FanoutSource
+from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
 from rlcomm.worker.address import WorkerAddress, normalize_rank
 

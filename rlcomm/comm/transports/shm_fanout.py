@@ -13,16 +13,17 @@ receiver clears it when the last view of its mapping is freed (a ``weakref.final
 A slot is reused once every live receiver's byte is clear. A receiver whose socket is
 closed (its process is gone) holds nothing.
 
-A message is one datagram: :data:`_MSG` (sequence number, slot, whether the slot's fd
+A message is one datagram: :data:`MESSAGE` (sequence number, slot, whether the slot's fd
 rides along, the slot's size, the frame's length), followed by the frame when there is
 no slot (a message without a payload); with a slot, the frame sits at the start of the
 slot and the payload tensors follow at :func:`payload_offsets`. A slot's memfd travels
 once per receiver (SCM_RIGHTS). Nothing here knows codecs or workers: a frame is bytes.
+This module is the source's side and the protocol; the receiver's side is
+:mod:`~rlcomm.comm.transports.shm_fanout_sink`.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import mmap
@@ -32,7 +33,6 @@ import socket
 import struct
 import time
 import uuid
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,11 +51,11 @@ MAX_INLINE_FRAME = 32 << 10
 #: Alignment of the frame's end and of each payload tensor in a slot.
 ALIGN = 64
 NO_SLOT = 0xFFFFFFFF
-_MSG = struct.Struct("<QIIQQ")  # seq, slot, fd follows, slot bytes, frame bytes
-_INDEX = struct.Struct("<I")
+MESSAGE = struct.Struct("<QIIQQ")  # seq, slot, fd follows, slot bytes, frame bytes
+MEMBER_INDEX = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # pid, uid, gid
-_FLAGS_BYTES = 4096
-_FD_SPACE = socket.CMSG_SPACE(4)
+FLAGS_BYTES = 4096
+FD_SPACE = socket.CMSG_SPACE(4)
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
 
@@ -80,7 +80,7 @@ def _slot_bytes(need: int) -> int:
     return (need + step - 1) // step * step
 
 
-def _peer_pid(sock: socket.socket) -> tuple[int, int]:
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     return pid, uid
 
@@ -98,7 +98,7 @@ def _sealed_memfd(name: str, size: int) -> int:
     return fd
 
 
-def _checked_size(fd: int, what: str) -> int:
+def checked_size(fd: int, what: str) -> int:
     """The size of a received memfd, after checking that it is sealed against shrinking."""
     seals = fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034))
     if seals & _SEALS != _SEALS:
@@ -120,7 +120,7 @@ class _Link:
 
     def __init__(self, member: int, sock: socket.socket, flags_fd: int):
         self.member, self.sock = member, sock
-        self.flags_mm = mmap.mmap(flags_fd, _FLAGS_BYTES)
+        self.flags_mm = mmap.mmap(flags_fd, FLAGS_BYTES)
         self.flags = np.frombuffer(self.flags_mm, dtype=np.uint8)
         self.sent: set[int] = set()  # slots whose fd this receiver has
         self.alive = True
@@ -184,13 +184,13 @@ class FanoutSource:
 
     def _admit(self, conn: socket.socket, deadline: float) -> None:
         conn.settimeout(max(0.05, deadline - time.monotonic()))
-        (member,) = _INDEX.unpack(conn.recv(_INDEX.size))
-        pid, uid = _peer_pid(conn)
+        (member,) = MEMBER_INDEX.unpack(conn.recv(MEMBER_INDEX.size))
+        pid, uid = peer_credentials(conn)
         if uid != os.getuid() or self._expected.get(member) != pid or member in self._links:
             raise AuthenticationError(
                 f"process {pid} (uid {uid}) claims to be receiver {member}"
             )
-        flags_fd = _sealed_memfd("rlcomm-bcast-flags", _FLAGS_BYTES)
+        flags_fd = _sealed_memfd("rlcomm-bcast-flags", FLAGS_BYTES)
         try:
             socket.send_fds(conn, [b"ok"], [flags_fd])
             link = _Link(member, conn, flags_fd)
@@ -287,11 +287,11 @@ class FanoutSource:
         link.sock.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             if slot is None:
-                link.sock.send(_MSG.pack(seq, NO_SLOT, 0, 0, len(frame)) + frame)
+                link.sock.send(MESSAGE.pack(seq, NO_SLOT, 0, 0, len(frame)) + frame)
                 return
             link.flags[slot.index] = 1
             new = slot.index not in link.sent
-            msg = _MSG.pack(seq, slot.index, int(new), slot.size, len(frame))
+            msg = MESSAGE.pack(seq, slot.index, int(new), slot.size, len(frame))
             if new:
                 socket.send_fds(link.sock, [msg], [slot.fd])
                 link.sent.add(slot.index)
@@ -309,143 +309,3 @@ class FanoutSource:
         for slot in self.slots:
             os.close(slot.fd)
         self._links.clear()
-
-
-class FanoutMessage:
-    """A received message: its sequence number, frame, and the slot's view (or None)."""
-
-    def __init__(self, seq: int, frame: bytes, segment: torch.Tensor | None):
-        self.seq, self.frame, self.segment = seq, frame, segment
-
-    def payload(self, sizes: Sequence[int]) -> list[torch.Tensor]:
-        """Views of the payload tensors of ``sizes`` bytes in the slot (checked against
-        the slot's size before any view is made)."""
-        if not sizes:
-            return []
-        offsets, need = payload_offsets(len(self.frame), sizes)
-        if self.segment is None or need > self.segment.numel():
-            have = 0 if self.segment is None else self.segment.numel()
-            raise PeerLostError(
-                f"a broadcast declares {need} bytes of payload but its slot holds {have}"
-            )
-        return [self.segment[off : off + n] for off, n in zip(offsets, sizes)]
-
-
-class FanoutSink:
-    """A receiver's side of its link to one source.
-
-    Args:
-        name: the source's socket name (from the authenticated store).
-        member: this receiver's member index (the source checks it against the pid).
-        source_pid: the source's process id (checked with ``SO_PEERCRED``).
-        deadline: for the set-up.
-        label: how error messages name the broadcast and the source.
-    """
-
-    def __init__(self, name: str, member: int, source_pid: int, deadline: float, label: str):
-        if not name.startswith("\0rlcomm-bcast-"):
-            raise AuthenticationError(f"{label}: unexpected socket name {name!r}")
-        self._label = label
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._sock.settimeout(max(0.05, deadline - time.monotonic()))
-            self._sock.connect(name)
-            pid, uid = _peer_pid(self._sock)
-            if uid != os.getuid() or pid != source_pid:
-                raise AuthenticationError(f"{label}: the socket belongs to another process")
-            self._sock.sendall(_INDEX.pack(member))
-            _, fds, _, _ = socket.recv_fds(self._sock, 16, 1)
-            if len(fds) != 1:
-                raise PeerLostError(f"{label}: the source sent no flags memory")
-            try:
-                if _checked_size(fds[0], label) != _FLAGS_BYTES:
-                    raise AuthenticationError(f"{label}: flags memory of the wrong size")
-                self._flags_mm = mmap.mmap(fds[0], _FLAGS_BYTES)
-            finally:
-                os.close(fds[0])
-        except (TimeoutError, OSError) as exc:
-            self._sock.close()
-            raise CommTimeoutError(f"{label}: connecting to the source failed: {exc}") from exc
-        except BaseException:
-            self._sock.close()
-            raise
-        self._sock.settimeout(None)
-        self._flags = np.frombuffer(self._flags_mm, dtype=np.uint8)
-        self._fds: dict[int, tuple[int, int]] = {}  # slot -> (fd, size)
-        self._poller = select.poll()
-        self._poller.register(self._sock, select.POLLIN)
-
-    def recv(self, deadline: float) -> FanoutMessage:
-        """The next message, waiting until ``deadline``.
-
-        Raises:
-            CommTimeoutError: nothing came in time.
-            PeerLostError: the source is gone, or sent a message that does not check out.
-        """
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not self._poller.poll(remaining * 1000):
-            raise CommTimeoutError(f"{self._label}: nothing arrived in time")
-        try:
-            data, ancillary, _, _ = self._sock.recvmsg(
-                _MSG.size + MAX_INLINE_FRAME, _FD_SPACE, socket.MSG_DONTWAIT
-            )
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                raise CommTimeoutError(f"{self._label}: nothing arrived in time") from exc
-            raise PeerLostError(f"{self._label}: the source is gone ({exc})") from exc
-        fds = [
-            fd for level, kind, raw in ancillary
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-            for fd in struct.unpack(f"{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
-        ]
-        try:
-            return self._message(data, fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _message(self, data: bytes, fds: list[int]) -> FanoutMessage:
-        if not data:
-            raise PeerLostError(f"{self._label}: the source is gone")
-        if len(data) < _MSG.size:
-            raise PeerLostError(f"{self._label}: a malformed message ({len(data)} bytes)")
-        seq, slot, has_fd, size, frame_len = _MSG.unpack_from(data)
-        if slot == NO_SLOT:
-            frame = data[_MSG.size :]
-            if len(frame) != frame_len:
-                raise PeerLostError(f"{self._label}: a truncated frame")
-            return FanoutMessage(seq, frame, None)
-        if slot >= _FLAGS_BYTES:
-            raise PeerLostError(f"{self._label}: slot {slot} out of range")
-        if has_fd:
-            if len(fds) != 1:
-                raise PeerLostError(f"{self._label}: a new slot came without its memory")
-            old = self._fds.pop(slot, None)
-            if old is not None:
-                os.close(old[0])
-            real = _checked_size(fds[0], self._label)
-            self._fds[slot] = (os.dup(fds[0]), real)
-        if slot not in self._fds:
-            raise PeerLostError(f"{self._label}: slot {slot} was never passed")
-        fd, real = self._fds[slot]
-        if size != real or frame_len > real:
-            raise PeerLostError(
-                f"{self._label}: a message declares a {size}-byte slot with a {frame_len}-byte "
-                f"frame; the slot has {real} bytes"
-            )
-        mm = mmap.mmap(fd, real, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        frame = mm[:frame_len]
-        arr = np.frombuffer(mm, dtype=np.uint8)
-        weakref.finalize(arr, _release, self._flags, slot)
-        return FanoutMessage(seq, frame, torch.from_numpy(arr))
-
-    def close(self) -> None:
-        self._sock.close()
-        for fd, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-def _release(flags: np.ndarray, slot: int) -> None:
-    """The last view of a slot's mapping is gone: hand the slot back to the source."""
-    flags[slot] = 0

@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from rlcomm.comm.transports import shm_fanout
-from rlcomm.comm.transports.shm_fanout import (
-    FanoutSink,
-    FanoutSource,
-    payload_offsets,
-)
+from rlcomm.comm.transports.shm_fanout import FanoutSource, payload_offsets
+from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd")
