@@ -45,3 +45,26 @@ def test_resource_pool_with_uneven_nodes(two_node_cluster):
         assert pool.local_rank_list() == [0, 1, 0, 1, 2, 3]
     finally:
         group.shutdown()
+
+
+@pytest.mark.multinode
+def test_broadcast_to_same_node_and_other_node_members(two_node_cluster):
+    """The source's node-mates get shared memory, the other node's members Gloo; all
+    get the object, from either source."""
+    from tests.comm.test_broadcast import Caster
+
+    group = Caster.create_group().launch(
+        two_node_cluster, NodePlacementStrategy([0, 0, 1, 1]), name="bc_two_nodes"
+    )
+    members = [("bc_two_nodes", [0, 1, 2, 3])]
+    try:
+        for step, src in ((5, 0), (6, 2), (7, 0)):
+            handles = [
+                group.execute_on(r).cast(step, members, ("bc_two_nodes", src), source=r == src)
+                for r in range(4)
+            ]
+            assert [h.wait(timeout=180)[0] for h in handles] == [True] * 4
+        plans = group.execute_on(0).broadcast_plan(members, 0).wait(timeout=60)
+        assert plans == [([1], [2, 3])]
+    finally:
+        group.shutdown()

@@ -1,11 +1,26 @@
-"""Broadcast groups: one lazily created Gloo (and, for CUDA payloads, NCCL) process
-group per distinct ordered set of participating workers."""
+"""Broadcast groups: one per distinct ordered set of participating workers.
+
+A broadcast from member ``src`` splits its members in two, alike on every member:
+
+- *local* receivers, on the source's node (where shared memory works): the source
+  encodes the object once, copies its tensors once into a pooled shared-memory slot and
+  hands the slot to each of them (:mod:`~rlcomm.comm.transports.shm_fanout`); each maps
+  it copy-on-write and decodes zero-copy views. The slot goes back to the source's pool
+  when every local receiver has freed its views.
+- *remote* receivers, on other nodes: a Gloo process group of the source and them
+  (NCCL for CUDA payloads), made on first use; one transfer per remote receiver.
+
+Broadcasts on one group run one at a time, in call order (one thread for async calls),
+so every member sees the same sequence. Each source numbers its messages, so a receiver
+that timed out on a broadcast skips that message when it arrives late.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,9 +28,13 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
+from rlcomm.comm.broadcast_gloo import GlooBroadcast
+from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
-from rlcomm.comm.transports.base import FRAME_BYTES, fixed_frames, frame_rest
-from rlcomm.comm.transports.gloo import FOREVER, classify_error, new_gloo_group
+from rlcomm.comm.transports.shm import SHM_SUPPORTED
+from rlcomm.comm.transports.shm_fanout import FanoutSource
+from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
+from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
 from rlcomm.worker.address import WorkerAddress, normalize_rank
 
 GroupsSpec = Sequence[tuple[str, Any]]
@@ -50,101 +69,193 @@ def expand_groups(groups: GroupsSpec) -> list[WorkerAddress]:
 
 
 class BroadcastGroup:
-    """A process group over ``members``; this process is ``members[index]``.
+    """The broadcasts among ``members``; this process is ``members[index]``.
 
-    Broadcasts on one group run one at a time, in call order (its own thread for async
-    calls), so every member sees the same sequence. Its Gloo sockets bind to ``host``
-    (this node's IP; ``None``: Gloo's own choice, see ``new_gloo_group``).
+    Args:
+        connect_store: ``connect_store(indices)`` makes an authenticated store shared by
+            the members at those indices (the same one on each of them).
+        members: the ordered member list.
+        index: this process's place in it.
+        nodes: each member's node (members with equal entries share memory).
+        pids: each member's process id (checked on the shared-memory sockets).
+        host: this node's IP, for Gloo sockets.
     """
 
     def __init__(
-        self, connect_store: Callable[[], dist.Store], members: list[WorkerAddress], index: int,
+        self, connect_store: Callable[[tuple[int, ...]], dist.Store],
+        members: list[WorkerAddress], index: int, nodes: Sequence[Any], pids: Sequence[int],
         host: str | None = None,
     ):
         self.members = members
-        self._host = host
         self.index = index
+        self._nodes = list(nodes)
+        self._pids = list(pids)
+        self._host = host
         self._connect_store = connect_store
-        self._store: dist.Store | None = None
         self._label = f"broadcast group {[str(m) for m in members]}"
-        self._pg: Any = None
-        self._nccl: Any = None
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "rlcomm-bcast")
+        self._store: dist.Store | None = None  # of all members: the fan-out sockets' names
+        self._gloo: dict[tuple[int, ...], GlooBroadcast] = {}
+        self._source: FanoutSource | None = None  # this member's, as a source
+        self._source_waited = False  # its first broadcast waited for every receiver
+        self._seq_out = 0
+        self._sinks: dict[int, FanoutSink] = {}  # by source index
+        self._seq_in: dict[int, int] = {}
+
+    def plan(self, src: int) -> tuple[list[int], list[int]]:
+        """The local and remote receivers of a broadcast from ``src``."""
+        others = [i for i in range(len(self.members)) if i != src]
+        if not SHM_SUPPORTED:
+            return [], others
+        local = [i for i in others if self._nodes[i] == self._nodes[src]]
+        return local, [i for i in others if i not in local]
+
+    @property
+    def pool_bytes(self) -> int:
+        """Shared memory this member holds as a broadcast source."""
+        return 0 if self._source is None else self._source.pool_bytes
 
     def submit(self, obj: Any, src: int, timeout: float) -> concurrent.futures.Future:
         return self._executor.submit(self.broadcast, obj, src, timeout)
 
-    def _run(self, pg: Any, tensors: list[torch.Tensor], src: int, timeout: float) -> None:
-        try:
-            works = [pg.broadcast(t, src) for t in tensors]
-            for work in works:
-                work.wait(datetime.timedelta(seconds=timeout) if timeout else FOREVER)
-        except RuntimeError as exc:
-            raise classify_error(exc, "broadcast", self._label) from exc
-
-    def _nccl_group(self, device: torch.device, timeout: float) -> Any:
-        if self._nccl is None:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = datetime.timedelta(seconds=timeout)
-            self._nccl = dist.ProcessGroupNCCL(
-                sub_store(self._store, "nccl"), self.index, len(self.members), opts
-            )
-        return self._nccl
-
-    def _connect(self, timeout: float) -> None:
-        """Create the Gloo group on first use (every member must reach this)."""
-        self._store = self._connect_store()
-        try:
-            self._pg = new_gloo_group(
-                self._store, self.index, len(self.members), datetime.timedelta(seconds=timeout),
-                self._host,
-            )
-        except RuntimeError as exc:
-            raise classify_error(exc, "broadcast rendezvous", self._label) from exc
-
     def broadcast(self, obj: Any, src: int, timeout: float) -> Any:
         """Send ``obj`` from member ``src`` to all; every member returns the object."""
+        deadline = time.monotonic() + timeout
+        local, remote = self.plan(src)
         with self._lock:
-            if self._pg is None:
-                self._connect(timeout)
             if self.index == src:
-                header, tensors = codec.encode(obj)
-                frame, payload = framing.pack(header, tensors)
-                frames = fixed_frames(frame)
-                on_cuda = bool(tensors) and tensors[0].is_cuda
-                self._run(self._pg, [*frames, *([] if on_cuda else payload)], src, timeout)
-                if on_cuda:
-                    self._broadcast_cuda(payload, src, timeout)
+                self._send(obj, local, remote, deadline, timeout)
                 return obj
-            first = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-            self._run(self._pg, [first], src, timeout)
-            frame, rest = frame_rest(first)
-            if rest:
-                more = torch.empty(rest, dtype=torch.uint8)
-                self._run(self._pg, [more], src, timeout)
-                frame += more.numpy().tobytes()
-            header, inline = framing.unpack(frame)
-            metas = header.tensors
-            if header.inline or not metas:
-                tensors = framing.split_inline(header, inline)
-            elif metas[0].device.startswith("cuda"):
-                device = torch.device("cuda", torch.cuda.current_device())
-                tensors = [codec.empty_like_meta(m, device) for m in metas]
-                self._broadcast_cuda(tensors, src, timeout)
-            else:
-                tensors = [codec.empty_like_meta(m, torch.device("cpu")) for m in metas]
-                self._run(
-                    self._pg, [codec.as_bytes(t) for t in tensors if t.numel()], src, timeout
-                )
-            return codec.decode(header, tensors)
+            if self.index in local:
+                return self._recv_local(src, deadline)
+            return self._recv_remote(src, remote, timeout)
 
-    def _broadcast_cuda(self, tensors: list[torch.Tensor], src: int, timeout: float) -> None:
-        device = tensors[0].device
-        with torch.cuda.device(device):
-            self._run(self._nccl_group(device, timeout), tensors, src, timeout)
-            torch.cuda.current_stream().synchronize()
+    # -- the source ------------------------------------------------------------------------
+
+    def _send(
+        self, obj: Any, local: list[int], remote: list[int], deadline: float, timeout: float
+    ) -> None:
+        header, tensors = codec.encode(obj)
+        frame, payload = framing.pack(header, tensors)
+        failures: dict[int, Exception] = {}
+        if local:
+            on_cuda = bool(payload) and payload[0].is_cuda
+            shm_payload = [codec.as_bytes(t) for t in tensors if t.numel()] if on_cuda else payload
+            source = self._fanout_source(local, deadline)
+            failures.update(source.publish(self._seq_out, frame, shm_payload, deadline))
+            self._seq_out += 1
+            for member in source.missing():
+                failures.setdefault(member, CommTimeoutError(
+                    f"{self._label}: {self.members[member]} did not join within {timeout}s"
+                ))
+        if remote:
+            self._gloo_group((self.index, *remote)).send(frame, payload, 0, timeout)
+        if failures:
+            names = ", ".join(f"{self.members[m]} ({exc})" for m, exc in sorted(failures.items()))
+            kind = PeerLostError if any(
+                isinstance(e, PeerLostError) for e in failures.values()
+            ) else CommTimeoutError
+            raise kind(
+                f"broadcast from {self.members[self.index]}: the other members got it, but not "
+                f"{names}"
+            )
+
+    def _fanout_source(self, local: list[int], deadline: float) -> FanoutSource:
+        if self._source is None:
+            source = FanoutSource({m: self._pids[m] for m in local}, self._label)
+            try:
+                self._group_store().set(f"fanout/{self.index}", source.name.encode())
+            except BaseException:
+                source.close()
+                raise
+            self._source = source
+        # The first broadcast waits for every local receiver to connect (as a Gloo
+        # rendezvous would); later ones take whoever came meanwhile and go on.
+        self._source.accept(deadline if not self._source_waited else time.monotonic())
+        self._source_waited = True
+        return self._source
+
+    # -- receivers ---------------------------------------------------------------------------
+
+    def _recv_local(self, src: int, deadline: float) -> Any:
+        sink = self._sink(src, deadline)
+        expected = self._seq_in.get(src, 0)
+        while True:
+            try:
+                msg = sink.recv(deadline)
+            except CommError as exc:
+                if isinstance(exc, PeerLostError):
+                    self._drop_sink(src)
+                raise type(exc)(
+                    f"broadcast at {self.members[self.index]} from {self.members[src]}: {exc}"
+                ) from exc
+            if msg.seq >= expected:
+                break  # older ones are late messages of broadcasts that timed out here
+        self._seq_in[src] = msg.seq + 1
+        header, inline = framing.unpack(msg.frame)
+        metas = header.tensors
+        sizes = [m.nbytes for m in metas if m.nbytes]
+        if sum(sizes) > max_message_bytes():
+            raise ProtocolMismatchError(
+                f"a broadcast from {self.members[src]} declares {sum(sizes)} bytes, over this "
+                f"worker's limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)"
+            )
+        if header.inline or not metas:
+            return codec.decode(header, framing.split_inline(header, inline))
+        tensors = framing.tensors_from_payload(header, msg.payload(sizes))
+        if metas[0].device.startswith("cuda"):
+            device = torch.device("cuda", torch.cuda.current_device())
+            tensors = [t.to(device) for t in tensors]
+        return codec.decode(header, tensors)
+
+    def _sink(self, src: int, deadline: float) -> FanoutSink:
+        sink = self._sinks.get(src)
+        if sink is None:
+            store = self._group_store()
+            key = f"fanout/{src}"
+            store.wait([key], datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            sink = FanoutSink(
+                store.get(key).decode(), self.index, self._pids[src], deadline,
+                f"broadcast from {self.members[src]}",
+            )
+            self._sinks[src] = sink
+        return sink
+
+    def _drop_sink(self, src: int) -> None:
+        sink = self._sinks.pop(src, None)
+        if sink is not None:
+            sink.close()
+
+    def _recv_remote(self, src: int, remote: list[int], timeout: float) -> Any:
+        gloo = self._gloo_group((src, *remote))
+        header, tensors = gloo.recv(0, timeout)
+        return codec.decode(header, tensors)
+
+    # -- stores and Gloo groups ----------------------------------------------------------------
+
+    def _group_store(self) -> dist.Store:
+        if self._store is None:
+            self._store = self._connect_store(tuple(range(len(self.members))))
+        return self._store
+
+    def _gloo_group(self, indices: tuple[int, ...]) -> GlooBroadcast:
+        group = self._gloo.get(indices)
+        if group is None:
+            label = f"broadcast group {[str(self.members[i]) for i in indices]}"
+            group = GlooBroadcast(
+                lambda: sub_store(self._connect_store(indices), "gloo"), indices.index(self.index), len(indices),
+                label, self._host,
+            )
+            self._gloo[indices] = group
+        return group
 
     def close(self) -> None:
+        """Stop taking broadcasts and free the shared memory (not under the group's lock:
+        a broadcast in flight may hold it until its deadline)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+        for src in list(self._sinks):
+            self._drop_sink(src)

@@ -485,19 +485,23 @@ class CommManager:
         if group is not None:
             return group
         eps = [self.endpoint if m == self.address else self._endpoint(m) for m in members]
-        digest = hashlib.sha1(
-            "|".join(f"{m}@{e.incarnation}" for m, e in zip(members, eps)).encode()
-        ).hexdigest()[:16]
 
-        def connect_store_of_leader() -> dist.Store:
+        def connect_store(indices: tuple[int, ...]) -> dist.Store:
+            """The store of the members at ``indices``: in the first one's mailbox."""
+            digest = hashlib.sha1(
+                "|".join(f"{m}@{e.incarnation}" for m, e in zip(members, eps)).encode()
+                + repr(indices).encode()
+            ).hexdigest()[:16]
+            leader = members[indices[0]]
             client = (
-                self._mailbox.client(timeout) if members[0] == self.address
-                else self._reach(members[0], eps[0], timeout)
+                self._mailbox.client(timeout) if leader == self.address
+                else self._reach(leader, eps[indices[0]], timeout)
             )
             return sub_store(client, f"bcast/{digest}")
 
         group = BroadcastGroup(
-            connect_store_of_leader, list(members), members.index(self.address),
+            connect_store, list(members), members.index(self.address),
+            nodes=[(e.node_id, e.host) for e in eps], pids=[e.pid for e in eps],
             host=self.endpoint.host,
         )
         with self._lock:

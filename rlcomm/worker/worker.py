@@ -246,8 +246,25 @@ class Worker(DispatchInfoMixin):
         the first listed worker. Every participant calls this with identical ``groups``
         and ``src``, and gets the object back.
 
+        Participants on the source's node get it through shared memory: the source
+        copies the tensors once into a pooled segment and returns; each of them maps it
+        and gets zero-copy tensors. Those tensors are *copy-on-write*: writing to one
+        changes only this worker's copy (the written pages are copied then), never the
+        source's or another receiver's. The segment goes back to the source's pool when
+        every receiver has freed its tensors; a source whose receivers still hold
+        ``RLCOMM_BCAST_MAX_SLOTS`` (4) earlier broadcasts waits (up to the timeout) for
+        one to be freed. Participants on other nodes get it over Gloo (NCCL for CUDA
+        tensors), one transfer each.
+
         Returns:
-            The object on every participant (an :class:`AsyncWork` if ``async_op``).
+            The object on every participant (an :class:`AsyncWork` if ``async_op``). On
+            the source, its own ``object``.
+
+        Raises:
+            PeerLostError: on the source, when a receiver's process is gone (the other
+                receivers got the object); on a receiver, when the source's is.
+            CommTimeoutError: nothing arrived within the timeout, or (on the source) a
+                receiver did not join, or held every segment, in time.
         """
         if groups is None:
             raise ValueError("broadcast: groups is required, e.g. [('trainer', 0), ('rollout', [0, 1])]")

@@ -1,0 +1,311 @@
+"""One-to-many shared memory: one source hands a payload to many receivers of its node.
+
+The source copies a payload once into a pooled, pre-faulted, sealed ``memfd`` *slot*;
+each receiver maps that slot copy-on-write (``MAP_PRIVATE``) and gets zero-copy views of
+it. Writing to a view copies the written pages into the receiver's own memory: the
+source's slot and the other receivers' views never change.
+
+Per source and receiver there is one *link*: an ``AF_UNIX`` ``SOCK_SEQPACKET`` socket
+(abstract name, published by the source in an authenticated store; both ends check the
+other's process with ``SO_PEERCRED``) and a one-page *flags* memfd made by the source,
+one byte per slot. The source sets a receiver's byte when it hands the slot over; the
+receiver clears it when the last view of its mapping is freed (a ``weakref.finalize``).
+A slot is reused once every live receiver's byte is clear. A receiver whose socket is
+closed (its process is gone) holds nothing.
+
+A message is one datagram: :data:`MESSAGE` (sequence number, slot, whether the slot's fd
+rides along, the slot's size, the frame's length), followed by the frame when there is
+no slot (a message without a payload); with a slot, the frame sits at the start of the
+slot and the payload tensors follow at :func:`payload_offsets`. A slot's memfd travels
+once per receiver (SCM_RIGHTS). Nothing here knows codecs or workers: a frame is bytes.
+This module is the source's side and the protocol; the receiver's side is
+:mod:`~rlcomm.comm.transports.shm_fanout_sink`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rlcomm.comm.transports.shm_memory import POOL_BYTES
+from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+
+logger = logging.getLogger(__name__)
+
+#: Most slots a source keeps (one flag byte each in a receiver's one-page flags memfd).
+#: With all of them held (receivers keep views, or have not yet read), the source waits.
+MAX_SLOTS = max(1, min(int(os.environ.get("RLCOMM_BCAST_MAX_SLOTS", 4)), 4096))
+#: Largest frame that rides inside a datagram (a message without payload).
+MAX_INLINE_FRAME = 32 << 10
+#: Alignment of the frame's end and of each payload tensor in a slot.
+ALIGN = 64
+NO_SLOT = 0xFFFFFFFF
+MESSAGE = struct.Struct("<QIIQQ")  # seq, slot, fd follows, slot bytes, frame bytes
+MEMBER_INDEX = struct.Struct("<I")
+_CRED = struct.Struct("3i")  # pid, uid, gid
+FLAGS_BYTES = 4096
+FD_SPACE = socket.CMSG_SPACE(4)
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def payload_offsets(frame_len: int, sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each payload tensor of ``sizes`` bytes starts in a slot whose frame is
+    ``frame_len`` bytes, and the bytes the slot needs in all."""
+    offsets, end = [], _align(frame_len)
+    for n in sizes:
+        offsets.append(end)
+        end = _align(end + n)
+    return offsets, end
+
+
+def _slot_bytes(need: int) -> int:
+    """A slot size for ``need`` bytes: 1 MiB or more, at most 1/8 above ``need``."""
+    need = max(need, 1 << 20)
+    step = 1 << max(20, need.bit_length() - 4)
+    return (need + step - 1) // step * step
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
+def _sealed_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes that can no longer shrink or grow (so a receiver's
+    mapping can never run past its end)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | getattr(fcntl, "F_SEAL_SEAL", 1))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def checked_size(fd: int, what: str) -> int:
+    """The size of a received memfd, after checking that it is sealed against shrinking."""
+    seals = fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034))
+    if seals & _SEALS != _SEALS:
+        raise AuthenticationError(f"{what}: the source passed a memfd that is not sealed")
+    return os.fstat(fd).st_size
+
+
+class _Slot:
+    def __init__(self, index: int, size: int):
+        self.index, self.size = index, size
+        self.fd = _sealed_memfd("rlcomm-bcast", size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(self.fd, size, flags=flags)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+
+class _Link:
+    """The source's end of one receiver's link."""
+
+    def __init__(self, member: int, sock: socket.socket, flags_fd: int):
+        self.member, self.sock = member, sock
+        self.flags_mm = mmap.mmap(flags_fd, FLAGS_BYTES)
+        self.flags = np.frombuffer(self.flags_mm, dtype=np.uint8)
+        self.sent: set[int] = set()  # slots whose fd this receiver has
+        self.alive = True
+
+    def check_alive(self) -> bool:
+        """A receiver never writes after the set-up: a readable socket means it is closed."""
+        if self.alive:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if poller.poll(0):
+                self.kill()
+        return self.alive
+
+    def kill(self) -> None:
+        self.alive = False
+        self.flags[:] = 0  # its process is gone, and its mappings with it
+        self.sock.close()
+
+
+class FanoutSource:
+    """The source's side: a listening socket, one link per connected receiver, the slots.
+
+    Args:
+        receivers: member index -> process id of each expected receiver.
+        label: how error messages name the broadcast and the source.
+    """
+
+    def __init__(self, receivers: dict[int, int], label: str):
+        self._expected = dict(receivers)
+        self._label = label
+        self.name = f"\0rlcomm-bcast-{uuid.uuid4().hex}"
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._server.bind(self.name)
+        self._server.listen(max(1, len(receivers)))
+        self._links: dict[int, _Link] = {}
+        self.slots: list[_Slot] = []
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of shared memory the slots hold."""
+        return sum(s.size for s in self.slots)
+
+    def missing(self) -> list[int]:
+        """Expected receivers that have not connected, or whose link is gone."""
+        return [m for m in self._expected if m not in self._links or not self._links[m].alive]
+
+    def accept(self, deadline: float) -> None:
+        """Take receivers' connections until all expected are here or ``deadline``."""
+        while any(m not in self._links for m in self._expected):
+            remaining = deadline - time.monotonic()
+            poller = select.poll()
+            poller.register(self._server, select.POLLIN)
+            if not poller.poll(max(0.0, remaining) * 1000):
+                return
+            conn, _ = self._server.accept()
+            try:
+                self._admit(conn, deadline)
+            except (OSError, AuthenticationError, struct.error) as exc:
+                logger.warning("%s: a receiver's connection was refused: %s", self._label, exc)
+                conn.close()
+
+    def _admit(self, conn: socket.socket, deadline: float) -> None:
+        conn.settimeout(max(0.05, deadline - time.monotonic()))
+        (member,) = MEMBER_INDEX.unpack(conn.recv(MEMBER_INDEX.size))
+        pid, uid = peer_credentials(conn)
+        if uid != os.getuid() or self._expected.get(member) != pid or member in self._links:
+            raise AuthenticationError(
+                f"process {pid} (uid {uid}) claims to be receiver {member}"
+            )
+        flags_fd = _sealed_memfd("rlcomm-bcast-flags", FLAGS_BYTES)
+        try:
+            socket.send_fds(conn, [b"ok"], [flags_fd])
+            link = _Link(member, conn, flags_fd)
+        finally:
+            os.close(flags_fd)
+        conn.settimeout(None)
+        self._links[member] = link
+
+    def _free_slot(self, need: int, deadline: float) -> _Slot:
+        """The smallest slot of at least ``need`` bytes no live receiver holds; a new one
+        when none is free and the pool may grow; else wait for one until ``deadline``."""
+        wait = 0.0002
+        while True:
+            links = [link for link in self._links.values() if link.check_alive()]
+            best = None
+            for slot in self.slots:
+                if slot.size >= need and (best is None or slot.size < best.size) and not any(
+                    link.flags[slot.index] for link in links
+                ):
+                    best = slot
+            if best is not None:
+                return best
+            size = _slot_bytes(need)
+            if len(self.slots) < MAX_SLOTS and self.pool_bytes + size <= POOL_BYTES:
+                slot = _Slot(len(self.slots), size)
+                self.slots.append(slot)
+                return slot
+            free = [s for s in self.slots if not any(link.flags[s.index] for link in links)]
+            if free and self.pool_bytes - free[0].size + size <= POOL_BYTES:
+                return self._replace(free[0], size)  # free but too small: a bigger one
+            if time.monotonic() > deadline:
+                holders = sorted(link.member for link in links if any(
+                    link.flags[s.index] for s in self.slots if s.size >= need
+                ))
+                raise CommTimeoutError(
+                    f"{self._label}: no free shared-memory slot of {need} bytes: members "
+                    f"{holders} still hold views of earlier broadcasts (drop them, or copy "
+                    "what you keep)"
+                )
+            time.sleep(wait)
+            wait = min(wait * 2, 0.005)
+
+    def _replace(self, old: _Slot, size: int) -> _Slot:
+        slot = _Slot(old.index, size)
+        self.slots[old.index] = slot
+        old.tensor = None
+        os.close(old.fd)
+        try:
+            old.mm.close()
+        except BufferError:  # a view of it is still alive here; it unmaps when freed
+            pass
+        for link in self._links.values():
+            link.sent.discard(old.index)  # its new memory goes with its next message
+        return slot
+
+    def publish(
+        self, seq: int, frame: bytes, payload: Sequence[torch.Tensor], deadline: float
+    ) -> dict[int, Exception]:
+        """Hand message ``seq`` (``frame``, then the uint8 ``payload`` tensors) to every
+        connected receiver. Returns the failures by member (a receiver whose process is
+        gone, or whose socket stayed full until ``deadline``); the others got it."""
+        failures: dict[int, Exception] = {}
+        slot = None
+        if payload or len(frame) > MAX_INLINE_FRAME:
+            offsets, need = payload_offsets(len(frame), [t.numel() for t in payload])
+            slot = self._free_slot(need, deadline)
+            slot.mm[: len(frame)] = frame
+            for off, t in zip(offsets, payload):
+                slot.tensor[off : off + t.numel()].copy_(t)
+        for member, link in self._links.items():
+            if not link.alive:
+                failures[member] = PeerLostError(f"{self._label}: receiver {member} is gone")
+                continue
+            try:
+                self._send(link, seq, frame, slot, deadline)
+            except OSError as exc:
+                if slot is not None:
+                    link.flags[slot.index] = 0
+                if isinstance(exc, TimeoutError):
+                    failures[member] = CommTimeoutError(
+                        f"{self._label}: receiver {member} has not read its earlier "
+                        "broadcasts (its socket stayed full)"
+                    )
+                else:
+                    link.kill()
+                    failures[member] = PeerLostError(
+                        f"{self._label}: receiver {member} is gone ({exc})"
+                    )
+        return failures
+
+    def _send(
+        self, link: _Link, seq: int, frame: bytes, slot: _Slot | None, deadline: float
+    ) -> None:
+        link.sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            if slot is None:
+                link.sock.send(MESSAGE.pack(seq, NO_SLOT, 0, 0, len(frame)) + frame)
+                return
+            link.flags[slot.index] = 1
+            new = slot.index not in link.sent
+            msg = MESSAGE.pack(seq, slot.index, int(new), slot.size, len(frame))
+            if new:
+                socket.send_fds(link.sock, [msg], [slot.fd])
+                link.sent.add(slot.index)
+            else:
+                link.sock.send(msg)
+        finally:
+            if link.alive:
+                link.sock.settimeout(None)
+
+    def close(self) -> None:
+        self._server.close()
+        for link in self._links.values():
+            if link.alive:
+                link.sock.close()
+        for slot in self.slots:
+            os.close(slot.fd)
+        self._links.clear()

@@ -1,0 +1,172 @@
+"""A receiver's end of a one-to-many shared-memory link (see
+:mod:`~rlcomm.comm.transports.shm_fanout` for the protocol): it checks the source's
+process, maps each slot copy-on-write per message and clears its flag byte when the last
+view of that mapping is freed."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rlcomm.comm.transports.shm_fanout import (
+    FD_SPACE,
+    FLAGS_BYTES,
+    MAX_INLINE_FRAME,
+    MEMBER_INDEX,
+    MESSAGE,
+    NO_SLOT,
+    checked_size,
+    payload_offsets,
+    peer_credentials,
+)
+from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+
+
+class FanoutMessage:
+    """A received message: its sequence number, frame, and the slot's view (or None)."""
+
+    def __init__(self, seq: int, frame: bytes, segment: torch.Tensor | None):
+        self.seq, self.frame, self.segment = seq, frame, segment
+
+    def payload(self, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Views of the payload tensors of ``sizes`` bytes in the slot (checked against
+        the slot's size before any view is made)."""
+        if not sizes:
+            return []
+        offsets, need = payload_offsets(len(self.frame), sizes)
+        if self.segment is None or need > self.segment.numel():
+            have = 0 if self.segment is None else self.segment.numel()
+            raise PeerLostError(
+                f"a broadcast declares {need} bytes of payload but its slot holds {have}"
+            )
+        return [self.segment[off : off + n] for off, n in zip(offsets, sizes)]
+
+
+class FanoutSink:
+    """A receiver's side of its link to one source.
+
+    Args:
+        name: the source's socket name (from the authenticated store).
+        member: this receiver's member index (the source checks it against the pid).
+        source_pid: the source's process id (checked with ``SO_PEERCRED``).
+        deadline: for the set-up.
+        label: how error messages name the broadcast and the source.
+    """
+
+    def __init__(self, name: str, member: int, source_pid: int, deadline: float, label: str):
+        if not name.startswith("\0rlcomm-bcast-"):
+            raise AuthenticationError(f"{label}: unexpected socket name {name!r}")
+        self._label = label
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.settimeout(max(0.05, deadline - time.monotonic()))
+            self._sock.connect(name)
+            pid, uid = peer_credentials(self._sock)
+            if uid != os.getuid() or pid != source_pid:
+                raise AuthenticationError(f"{label}: the socket belongs to another process")
+            self._sock.sendall(MEMBER_INDEX.pack(member))
+            _, fds, _, _ = socket.recv_fds(self._sock, 16, 1)
+            if len(fds) != 1:
+                raise PeerLostError(f"{label}: the source sent no flags memory")
+            try:
+                if checked_size(fds[0], label) != FLAGS_BYTES:
+                    raise AuthenticationError(f"{label}: flags memory of the wrong size")
+                self._flags_mm = mmap.mmap(fds[0], FLAGS_BYTES)
+            finally:
+                os.close(fds[0])
+        except (TimeoutError, OSError) as exc:
+            self._sock.close()
+            raise CommTimeoutError(f"{label}: connecting to the source failed: {exc}") from exc
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
+        self._flags = np.frombuffer(self._flags_mm, dtype=np.uint8)
+        self._fds: dict[int, tuple[int, int]] = {}  # slot -> (fd, size)
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
+
+    def recv(self, deadline: float) -> FanoutMessage:
+        """The next message, waiting until ``deadline``.
+
+        Raises:
+            CommTimeoutError: nothing came in time.
+            PeerLostError: the source is gone, or sent a message that does not check out.
+        """
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not self._poller.poll(remaining * 1000):
+            raise CommTimeoutError(f"{self._label}: nothing arrived in time")
+        try:
+            data, ancillary, _, _ = self._sock.recvmsg(
+                MESSAGE.size + MAX_INLINE_FRAME, FD_SPACE, socket.MSG_DONTWAIT
+            )
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise CommTimeoutError(f"{self._label}: nothing arrived in time") from exc
+            raise PeerLostError(f"{self._label}: the source is gone ({exc})") from exc
+        fds = [
+            fd for level, kind, raw in ancillary
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in struct.unpack(f"{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
+        ]
+        try:
+            return self._message(data, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _message(self, data: bytes, fds: list[int]) -> FanoutMessage:
+        if not data:
+            raise PeerLostError(f"{self._label}: the source is gone")
+        if len(data) < MESSAGE.size:
+            raise PeerLostError(f"{self._label}: a malformed message ({len(data)} bytes)")
+        seq, slot, has_fd, size, frame_len = MESSAGE.unpack_from(data)
+        if slot == NO_SLOT:
+            frame = data[MESSAGE.size :]
+            if len(frame) != frame_len:
+                raise PeerLostError(f"{self._label}: a truncated frame")
+            return FanoutMessage(seq, frame, None)
+        if slot >= FLAGS_BYTES:
+            raise PeerLostError(f"{self._label}: slot {slot} out of range")
+        if has_fd:
+            if len(fds) != 1:
+                raise PeerLostError(f"{self._label}: a new slot came without its memory")
+            old = self._fds.pop(slot, None)
+            if old is not None:
+                os.close(old[0])
+            real = checked_size(fds[0], self._label)
+            self._fds[slot] = (os.dup(fds[0]), real)
+        if slot not in self._fds:
+            raise PeerLostError(f"{self._label}: slot {slot} was never passed")
+        fd, real = self._fds[slot]
+        if size != real or frame_len > real:
+            raise PeerLostError(
+                f"{self._label}: a message declares a {size}-byte slot with a {frame_len}-byte "
+                f"frame; the slot has {real} bytes"
+            )
+        mm = mmap.mmap(fd, real, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        frame = mm[:frame_len]
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        weakref.finalize(arr, _release, self._flags, slot)
+        return FanoutMessage(seq, frame, torch.from_numpy(arr))
+
+    def close(self) -> None:
+        self._sock.close()
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _release(flags: np.ndarray, slot: int) -> None:
+    """The last view of a slot's mapping is gone: hand the slot back to the source."""
+    flags[slot] = 0
