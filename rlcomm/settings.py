@@ -102,6 +102,10 @@ class Settings:
     max_message_bytes: int = _setting(
         32 << 30, "largest message (all its tensors) a receiver accepts; a larger header "
         "closes the connection before anything is allocated", minimum=1)
+    bcast_max_slots: int = _setting(
+        4, "shared-memory segments a broadcast source keeps per group for same-node "
+        "receivers (receivers holding views of all of them make it wait)", live=False,
+        minimum=1)
     recv_pool_bytes: int = _setting(
         2 << 30, "most bytes of free receive buffers (Gloo) a process keeps for reuse",
         live=False, minimum=0)

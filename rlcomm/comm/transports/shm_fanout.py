@@ -40,12 +40,13 @@ import torch
 
 from rlcomm.comm.transports.shm_memory import POOL_BYTES
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+from rlcomm.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
 #: Most slots a source keeps (one flag byte each in a receiver's one-page flags memfd).
 #: With all of them held (receivers keep views, or have not yet read), the source waits.
-MAX_SLOTS = max(1, min(int(os.environ.get("RLCOMM_BCAST_MAX_SLOTS", 4)), 4096))
+MAX_SLOTS = min(get_settings().bcast_max_slots, 4096)
 #: Largest frame that rides inside a datagram (a message without payload).
 MAX_INLINE_FRAME = 32 << 10
 #: Alignment of the frame's end and of each payload tensor in a slot.
