@@ -13,17 +13,35 @@ Threads, all owned here:
   spins once, not once per client. A client on another node (Gloo) is read by its
   connection's receiver thread, which applies its requests the same way;
 - the core's *timer* thread, which answers parked requests at their deadlines;
-- replies go out through one :class:`~rlcomm.channel.outbox.Outbox` per client, sent by
-  whichever thread produced them (a put from client A read on the selector thread sends
-  the item to the client B whose get it completes).
+- replies: each client has its own queue of replies
+  (:class:`~rlcomm.channel.outbox.Outbox`) and its own *reply* thread (made at the first
+  reply that needs it, ended when the client is gone). The thread that produces a reply
+  (a put from client A read on the selector thread completes client B's get) sends it
+  itself only when the write cannot wait on B (:mod:`~rlcomm.channel.replies`: B has
+  read nearly all it was sent, and the transport is shared memory); otherwise it queues
+  it, and B's reply thread sends it. A client that stops reading (a stopped or stalled
+  process) then holds up only its own reply thread, for up to :data:`REPLY_TIMEOUT`:
+  the selector, the timer and every other client go on, and once it reads again it
+  gets every reply, in order.
+
+What a client's queue may hold is bounded by the client itself: every reply answers
+one request of that client (exactly one per request), so the queue holds at most as
+many replies as the client has requests outstanding, and their items are ones the
+client asked for, moved out of their keys (not copied). ``stats()["replies"]`` counts
+them.
 
 A reply that cannot be delivered (its client died) puts the items it carried back at
-the head of their key, and the client's parked requests are dropped.
+the head of their key, and the client's parked requests are dropped. A reply that
+timed out may have left part of a message in the client's stream, so the connection
+with that client is then closed: the client gets ``ChannelLostError`` rather than a
+broken stream, and its items go back to their keys.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -32,16 +50,46 @@ from rlcomm.channel import protocol as P
 from rlcomm.channel.client import LISTEN_OPTIONS, SEND_OPTIONS
 from rlcomm.channel.core import ChannelCore
 from rlcomm.channel.outbox import Outbox
+from rlcomm.channel.replies import ReadWindow, message_bytes, replies_bound
 from rlcomm.channel.routing import HomeTable
 from rlcomm.channel.state import Delivery
+from rlcomm.comm import codec
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import op_timeout
 from rlcomm.comm.selector import Selector
-from rlcomm.errors import CodecError, CommError
+from rlcomm.errors import CodecError, CommError, CommTimeoutError, PeerLostError
 from rlcomm.worker.address import WorkerAddress
 
 logger = logging.getLogger(__name__)
+
+#: Seconds one reply message may wait for its client to read (a stopped process): only
+#: that client's reply thread waits. ``RLCOMM_CHANNEL_REPLY_TIMEOUT``, an hour by default
+#: (what a client's own reader waits per receive).
+REPLY_TIMEOUT = float(os.environ.get("RLCOMM_CHANNEL_REPLY_TIMEOUT", LISTEN_OPTIONS.timeout))
+
+_on_reply_thread = threading.local()
+
+
+def _mark_reply_thread() -> None:
+    _on_reply_thread.yes = True
+
+
+class _ClientReplies:
+    """The replies due to one client: its outbox, its reply thread (started at its first
+    flush off a posting thread) and what it has not read yet."""
+
+    __slots__ = ("outbox", "thread", "window")
+
+    def __init__(self, outbox: Outbox, thread: concurrent.futures.ThreadPoolExecutor,
+                 window: ReadWindow):
+        self.outbox = outbox
+        self.thread = thread
+        self.window = window
+
+    def close(self, exc: BaseException) -> None:
+        self.outbox.close(exc)
+        self.thread.shutdown(wait=False)
 
 
 class ChannelService:
@@ -63,7 +111,7 @@ class ChannelService:
         self._selector = Selector(f"rlcomm-channel-{channel_name}")
         self._listening: dict[WorkerAddress, Connection | None] = {}
         self._registrations: dict[WorkerAddress, int] = {}
-        self._outboxes: dict[Hashable, Outbox] = {}
+        self._replies: dict[Hashable, _ClientReplies] = {}
         self.homes = HomeTable() if coordinator else None
 
     def register_client(self, client: str) -> None:
@@ -86,6 +134,13 @@ class ChannelService:
         with self._lock:
             return len(self._listening)
 
+    def reply_stats(self) -> dict[str, Any]:
+        """Replies queued (or being sent) per client, and in all: what stalled clients hold."""
+        with self._lock:
+            replies = list(self._replies.items())
+        per_client = {str(client): n for client, r in replies if (n := r.outbox.pending)}
+        return {"queued": sum(per_client.values()), "clients": per_client}
+
     def _listen(self, address: WorkerAddress) -> None:
         with self._lock:
             seen = self._registrations.get(address, 0)
@@ -107,7 +162,9 @@ class ChannelService:
             logger.error("channel %r: unexpected %s message from %s; dropped",
                          self._channel_name, type(env).__name__, client)
             return
-        heads, items = message
+        heads, items, read = message
+        if read >= 0 and (replies := self._replies.get(client)) is not None:
+            replies.window.read(read)
         if any(h[0] == P.ROUTE for h in heads):
             heads, items = self._route(client, heads, items)
         if heads:
@@ -119,9 +176,13 @@ class ChannelService:
         with self._lock:
             if self._registrations.get(client, 0) == seen:
                 self._listening.pop(client, None)
-                self._outboxes.pop(client, None)
-                logger.info("channel %r: client %s is gone (%s)", self._channel_name, client, exc)
-                return
+                replies = self._replies.pop(client, None)
+            else:
+                replies = None
+        if replies is not None:  # its queued replies' items go back to their keys
+            replies.close(exc)
+            logger.info("channel %r: client %s is gone (%s)", self._channel_name, client, exc)
+            return
         # A new process at the same address (a restarted worker) registered while this
         # one still read the old connection: listen to the new one (not on this thread,
         # which may hold the manager's lock).
@@ -158,28 +219,57 @@ class ChannelService:
         self._deliver(client, replies)
         return rest_heads, rest_items
 
-    def _outbox(self, client: Hashable) -> Outbox:
-        outbox = self._outboxes.get(client)
-        if outbox is None:
+    def _client_replies(self, client: Hashable) -> _ClientReplies | None:
+        """The reply queue of ``client`` (made at its first reply); ``None`` once it is gone."""
+        replies = self._replies.get(client)
+        if replies is None:
             with self._lock:
-                outbox = self._outboxes.get(client)
-                if outbox is None:
+                replies = self._replies.get(client)
+                if replies is None and client in self._listening:
                     address: WorkerAddress = client  # type: ignore[assignment]
-                    outbox = self._outboxes[client] = Outbox(
-                        lambda batch: self._send(address, batch),
-                        lambda batch, exc: self._undeliverable(address, batch, exc),
+                    window = ReadWindow()
+                    thread = concurrent.futures.ThreadPoolExecutor(
+                        1, f"rlcomm-channel-reply-{address}", initializer=_mark_reply_thread
                     )
-        return outbox
+                    outbox = Outbox(
+                        lambda batch: self._send(address, window, batch),
+                        lambda batch, exc: self._undeliverable(address, batch, exc),
+                        thread,
+                        lambda batch: self._may_inline(address, window, batch),
+                    )
+                    replies = self._replies[client] = _ClientReplies(outbox, thread, window)
+        return replies
 
     def _deliver(self, client: Hashable, deliveries: list[Delivery]) -> None:
-        self._outbox(client).post(deliveries, inline=True)
+        """Send or queue replies for ``client``; never waits on it (see the module docstring)."""
+        replies = self._client_replies(client)
+        if replies is None:  # gone since the replies were made: their items go back
+            self._undeliverable(client, deliveries, PeerLostError(  # type: ignore[arg-type]
+                f"channel {self._channel_name!r}: client {client} is gone"))
+            return
+        replies.outbox.post(deliveries)
 
-    def _send(self, client: WorkerAddress, batch: list[Delivery]) -> None:
+    def _may_inline(self, client: WorkerAddress, window: ReadWindow, batch: list[Delivery]) -> bool:
+        """Whether a posting thread may send ``batch`` itself: the write cannot wait."""
+        conn = self._listening.get(client)
+        if conn is None or conn.error is not None or conn.transport_name != "shm":
+            return False
+        nbytes = replies_bound([d[1] for d in batch], [d[2] for d in batch])
+        return nbytes is not None and window.admits(nbytes)
+
+    def _send(self, client: WorkerAddress, window: ReadWindow, batch: list[Delivery]) -> None:
         message = P.pack([d[1] for d in batch], [d[2] for d in batch])
         conn = self._listening.get(client)
         if conn is not None and conn.error is None:
-            conn.send_message(message, op_timeout(SEND_OPTIONS))
-        else:  # not listened yet, or reconnecting
+            header, tensors = codec.encode(message)
+            window.sent(message_bytes(header, tensors))
+            # Inline (another thread's turn), the write cannot wait; if it did all the
+            # same, it waits no longer than any send.
+            timeout = REPLY_TIMEOUT if getattr(_on_reply_thread, "yes", False) else op_timeout(
+                SEND_OPTIONS)
+            conn.send_inline(header, tensors, timeout)
+        else:  # not listened yet, or reconnecting (never inline: see _may_inline)
+            window.sent(message_bytes(*codec.encode(message)))
             self._manager.send(message, client, False, SEND_OPTIONS)
 
     def _undeliverable(self, client: WorkerAddress, batch: list[Delivery], exc: BaseException) -> None:
@@ -193,7 +283,12 @@ class ChannelService:
             return
         logger.warning("channel %r: replies to %s could not be sent (%s); their items go "
                        "back to their keys", self._channel_name, client, exc)
+        self.core.drop_client(client)  # first: the items must not come back to it
         for _, _, _, requeue in batch:
             if requeue is not None:
                 self.core.requeue(*requeue)
-        self.core.drop_client(client)
+        conn = self._listening.get(client)
+        if isinstance(exc, CommTimeoutError) and conn is not None:
+            # Part of the message may be in the client's stream: end the connection (the
+            # client sees it lost) rather than write behind half a message.
+            conn.close()
