@@ -74,6 +74,9 @@ class Outbox:
         self._flushing = False
         self._sending = 0  # entries the flusher took and has not sent (or failed) yet
         self._closed: BaseException | None = None
+        #: Messages sent by posting threads, and by the executor.
+        self.sent_inline = 0
+        self.sent_off = 0
 
     @property
     def pending(self) -> int:
@@ -141,6 +144,10 @@ class Outbox:
                     self._sending = 0
                 self._hand_off()
                 return
+            if off_poster:
+                self.sent_off += 1
+            else:
+                self.sent_inline += 1
             self._send_or_fail(batch)
 
     def _send_or_fail(self, batch: list[Any]) -> None:

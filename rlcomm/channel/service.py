@@ -46,14 +46,17 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
+import torch
+
 from rlcomm.channel import protocol as P
 from rlcomm.channel.client import LISTEN_OPTIONS, SEND_OPTIONS
 from rlcomm.channel.core import ChannelCore
 from rlcomm.channel.outbox import Outbox
-from rlcomm.channel.replies import ReadWindow, message_bytes, replies_bound
+from rlcomm.channel.replies import ReadWindow, message_bytes
 from rlcomm.channel.routing import HomeTable
 from rlcomm.channel.state import Delivery
 from rlcomm.comm import codec
+from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import op_timeout
@@ -77,15 +80,19 @@ def _mark_reply_thread() -> None:
 
 class _ClientReplies:
     """The replies due to one client: its outbox, its reply thread (started at its first
-    flush off a posting thread) and what it has not read yet."""
+    flush off a posting thread) and what it has not read yet.
 
-    __slots__ = ("outbox", "thread", "window")
+    ``encoded`` keeps the batch that ``_may_inline`` encoded for the ``_send`` that comes
+    right after it on the same (flushing) thread: ``(batch, header, tensors, nbytes)``.
+    """
 
-    def __init__(self, outbox: Outbox, thread: concurrent.futures.ThreadPoolExecutor,
-                 window: ReadWindow):
-        self.outbox = outbox
-        self.thread = thread
-        self.window = window
+    __slots__ = ("outbox", "thread", "window", "encoded")
+
+    def __init__(self) -> None:
+        self.outbox: Outbox
+        self.thread: concurrent.futures.ThreadPoolExecutor
+        self.window = ReadWindow()
+        self.encoded: tuple[list[Delivery], MessageHeader, list[torch.Tensor], int] | None = None
 
     def close(self, exc: BaseException) -> None:
         self.outbox.close(exc)
@@ -135,11 +142,17 @@ class ChannelService:
             return len(self._listening)
 
     def reply_stats(self) -> dict[str, Any]:
-        """Replies queued (or being sent) per client, and in all: what stalled clients hold."""
+        """Replies queued (or being sent) per client, and in all (what stalled clients
+        hold), and how many reply messages went inline and by reply threads."""
         with self._lock:
             replies = list(self._replies.items())
         per_client = {str(client): n for client, r in replies if (n := r.outbox.pending)}
-        return {"queued": sum(per_client.values()), "clients": per_client}
+        return {
+            "queued": sum(per_client.values()),
+            "clients": per_client,
+            "sent_inline": sum(r.outbox.sent_inline for _, r in replies),
+            "sent_by_reply_threads": sum(r.outbox.sent_off for _, r in replies),
+        }
 
     def _listen(self, address: WorkerAddress) -> None:
         with self._lock:
@@ -174,13 +187,15 @@ class ChannelService:
         """The connection with ``client`` (listened at registration ``seen``) failed."""
         self.core.drop_client(client)
         with self._lock:
-            if self._registrations.get(client, 0) == seen:
+            gone = self._registrations.get(client, 0) == seen
+            if gone:
                 self._listening.pop(client, None)
-                replies = self._replies.pop(client, None)
-            else:
-                replies = None
-        if replies is not None:  # its queued replies' items go back to their keys
+            # Replies queued for the process of that connection: their items go back to
+            # their keys (a new process at the address starts with a queue of its own).
+            replies = self._replies.pop(client, None)
+        if replies is not None:
             replies.close(exc)
+        if gone:
             logger.info("channel %r: client %s is gone (%s)", self._channel_name, client, exc)
             return
         # A new process at the same address (a restarted worker) registered while this
@@ -227,17 +242,17 @@ class ChannelService:
                 replies = self._replies.get(client)
                 if replies is None and client in self._listening:
                     address: WorkerAddress = client  # type: ignore[assignment]
-                    window = ReadWindow()
-                    thread = concurrent.futures.ThreadPoolExecutor(
+                    replies = r = _ClientReplies()
+                    r.thread = concurrent.futures.ThreadPoolExecutor(
                         1, f"rlcomm-channel-reply-{address}", initializer=_mark_reply_thread
                     )
-                    outbox = Outbox(
-                        lambda batch: self._send(address, window, batch),
+                    r.outbox = Outbox(
+                        lambda batch: self._send(address, r, batch),
                         lambda batch, exc: self._undeliverable(address, batch, exc),
-                        thread,
-                        lambda batch: self._may_inline(address, window, batch),
+                        r.thread,
+                        lambda batch: self._may_inline(address, r, batch),
                     )
-                    replies = self._replies[client] = _ClientReplies(outbox, thread, window)
+                    self._replies[client] = r
         return replies
 
     def _deliver(self, client: Hashable, deliveries: list[Delivery]) -> None:
@@ -249,28 +264,42 @@ class ChannelService:
             return
         replies.outbox.post(deliveries)
 
-    def _may_inline(self, client: WorkerAddress, window: ReadWindow, batch: list[Delivery]) -> bool:
-        """Whether a posting thread may send ``batch`` itself: the write cannot wait."""
+    def _may_inline(self, client: WorkerAddress, r: _ClientReplies, batch: list[Delivery]) -> bool:
+        """Whether the posting thread that flushes ``batch`` may send it itself: the write
+        cannot wait (see :mod:`~rlcomm.channel.replies`). Encodes it for ``_send``."""
         conn = self._listening.get(client)
         if conn is None or conn.error is not None or conn.transport_name != "shm":
             return False
-        nbytes = replies_bound([d[1] for d in batch], [d[2] for d in batch])
-        return nbytes is not None and window.admits(nbytes)
+        try:
+            header, tensors = codec.encode(P.pack([d[1] for d in batch], [d[2] for d in batch]))
+        except CodecError:
+            return True  # _send raises it again; the outbox then sends entry by entry
+        if tensors and tensors[0].is_cuda:
+            return False
+        nbytes = message_bytes(header, tensors)
+        if not r.window.admits(nbytes):
+            return False
+        r.encoded = (batch, header, tensors, nbytes)
+        return True
 
-    def _send(self, client: WorkerAddress, window: ReadWindow, batch: list[Delivery]) -> None:
-        message = P.pack([d[1] for d in batch], [d[2] for d in batch])
+    def _send(self, client: WorkerAddress, r: _ClientReplies, batch: list[Delivery]) -> None:
+        encoded, r.encoded = r.encoded, None
+        if encoded is not None and encoded[0] is batch:  # inline: encoded by _may_inline
+            _, header, tensors, nbytes = encoded
+        else:
+            header, tensors = codec.encode(
+                P.pack([d[1] for d in batch], [d[2] for d in batch]))
+            nbytes = message_bytes(header, tensors)
         conn = self._listening.get(client)
-        if conn is not None and conn.error is None:
-            header, tensors = codec.encode(message)
-            window.sent(message_bytes(header, tensors))
-            # Inline (another thread's turn), the write cannot wait; if it did all the
-            # same, it waits no longer than any send.
-            timeout = REPLY_TIMEOUT if getattr(_on_reply_thread, "yes", False) else op_timeout(
-                SEND_OPTIONS)
-            conn.send_inline(header, tensors, timeout)
-        else:  # not listened yet, or reconnecting (never inline: see _may_inline)
-            window.sent(message_bytes(*codec.encode(message)))
-            self._manager.send(message, client, False, SEND_OPTIONS)
+        if conn is None or conn.error is not None:  # not listened yet, or reconnecting
+            conn = self._manager.connection(client, SEND_OPTIONS)
+            timeout = op_timeout(SEND_OPTIONS)
+        elif getattr(_on_reply_thread, "yes", False):
+            timeout = REPLY_TIMEOUT
+        else:  # inline: the write cannot wait; if it did all the same, no longer than a send
+            timeout = op_timeout(SEND_OPTIONS)
+        r.window.sent(nbytes)  # before the write: the client's report may come first
+        conn.send_inline(header, tensors, timeout)
 
     def _undeliverable(self, client: WorkerAddress, batch: list[Delivery], exc: BaseException) -> None:
         if isinstance(exc, CodecError):  # re-encoding a decoded item failed: answer, drop it
