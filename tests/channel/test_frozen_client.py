@@ -135,6 +135,9 @@ def test_a_frozen_client_does_not_hold_up_the_others(cluster, frozen_setup):
         assert stats["keys"][key] == {"puts": FROZEN_GETS + rounds,
                                       "gets": FROZEN_GETS + rounds, "queued": 0}
         assert stats["replies"]["queued"] == 0
+        # The frozen client's replies went by its reply thread; the healthy pair's inline.
+        assert stats["replies"]["sent_by_reply_threads"] > 0
+        assert stats["replies"]["sent_inline"] >= 2 * rounds
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
