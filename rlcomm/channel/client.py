@@ -267,6 +267,7 @@ class Link(Requester):
     def __init__(self, channel: str, maxsize: int, group_name: str, rank: int):
         self.address = WorkerAddress(group_name, (rank,))
         super().__init__(channel, maxsize, str(self.address))
+        self._replies_read = 0  # reply messages read: each request message reports it
         self._comm = CommManager.for_process()
         from rlcomm.worker.group import actor_name
 
@@ -283,7 +284,6 @@ class Link(Requester):
             raise ChannelLostError(
                 f"channel {channel!r}: cannot reach its channel worker {self.address}: {exc}"
             ) from exc
-        self._replies_read = 0  # reply messages read: each request message reports it
         self._outbox = Outbox(self._send, self.fail)
 
     def _post(self, entries: list[tuple[tuple, Any]], inline: bool) -> None:
