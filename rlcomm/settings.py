@@ -102,6 +102,10 @@ class Settings:
     max_message_bytes: int = _setting(
         32 << 30, "largest message (all its tensors) a receiver accepts; a larger header "
         "closes the connection before anything is allocated", minimum=1)
+    channel_reply_timeout: float = _setting(
+        3600.0, "seconds a channel worker's reply may wait for a client that stopped "
+        "reading (a frozen process) before the worker ends that client's connection",
+        minimum=1e-3)
     bcast_max_slots: int = _setting(
         4, "shared-memory segments a broadcast source keeps per group for same-node "
         "receivers (receivers holding views of all of them make it wait)", live=False,

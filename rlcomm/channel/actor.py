@@ -76,12 +76,14 @@ class ChannelActor(Worker):
         return self._service.core.peek(key)
 
     def channel_stats(self) -> dict[str, Any]:
-        """Counters of this worker: items accepted and handed out per key, its node."""
+        """Counters of this worker: items accepted and handed out per key, its node, and
+        the replies waiting for their clients (``replies``: ``queued``, per ``clients``)."""
         stats = self._service.core.stats()
         stats.update(
             rank=self._rank,
             node_id=ray.get_runtime_context().get_node_id(),
             clients=self._service.clients,
+            replies=self._service.reply_stats(),
             homes=homes.snapshot() if (homes := self._service.homes) is not None else None,
         )
         return stats

@@ -267,6 +267,7 @@ class Link(Requester):
     def __init__(self, channel: str, maxsize: int, group_name: str, rank: int):
         self.address = WorkerAddress(group_name, (rank,))
         super().__init__(channel, maxsize, str(self.address))
+        self._replies_read = 0  # reply messages read: each request message reports it
         self._comm = CommManager.for_process()
         from rlcomm.worker.group import actor_name
 
@@ -289,7 +290,7 @@ class Link(Requester):
         self._outbox.post(entries, inline)
 
     def _send(self, entries: list[tuple[tuple, Any]]) -> None:
-        message = P.pack([h for h, _ in entries], [i for _, i in entries])
+        message = P.pack([h for h, _ in entries], [i for _, i in entries], self._replies_read)
         self._conn.send_message(message, op_timeout(SEND_OPTIONS))
 
     def wait_reply(self, fut: concurrent.futures.Future, timeout: float) -> bool:
@@ -299,12 +300,14 @@ class Link(Requester):
         return bool(self._pending)
 
     def _on_message(self, env: Any) -> None:
+        # Runs on the one thread that holds the connection's reading role, in order.
+        self._replies_read += 1
         message = P.unpack(env)
         if message is None:
             logger.error("channel %r: unexpected message %r from %s", self.channel,
                          type(env).__name__, self.where)
             return
-        self.on_replies(*message)
+        self.on_replies(message[0], message[1])
 
     def _on_error(self, exc: CommError) -> None:
         self.lose(exc)

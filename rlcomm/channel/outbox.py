@@ -9,8 +9,17 @@ transport takes them (``async_op`` puts in a loop, replies to many clients) trav
 batches, one message each.
 
 A message that cannot be encoded (:class:`~rlcomm.CodecError`) is retried entry by entry,
-so only the entry at fault fails. ``post(..., inline=False)`` never sends from the calling thread: the flush runs on a
-small process-wide pool, for callers that must not block (an asyncio event loop).
+so only the entry at fault fails.
+
+Flushing off the posting thread: ``post(..., inline=False)`` never sends from the
+calling thread, for callers that must not block (an asyncio event loop). Nor does a
+post when ``may_inline(batch)`` says no to a batch: the flush then moves, from that
+batch on, to the outbox's own *executor* when it was given one, else to a small
+process-wide pool. A channel worker gives each client's outbox a thread of its own and
+sends inline only what cannot wait on the client, so a client that stops reading holds
+up its own replies and no one else's.
+
+:meth:`Outbox.close` fails the entries still queued and every later one.
 """
 
 from __future__ import annotations
@@ -43,47 +52,102 @@ class Outbox:
     Args:
         send: sends a list of entries as one message; raises on failure.
         failed: called with the entries of a message that could not be sent and the error.
+        executor: runs the flushes that leave the posting thread; the process-wide flush
+            pool when ``None``.
+        may_inline: asked, before a posting thread sends a batch, whether it may (the
+            batch cannot make it wait); ``None``: always.
     """
 
     def __init__(
         self,
         send: Callable[[list[Any]], None],
         failed: Callable[[list[Any], BaseException], None],
+        executor: concurrent.futures.Executor | None = None,
+        may_inline: Callable[[list[Any]], bool] | None = None,
     ):
         self._send = send
         self._failed = failed
+        self._executor = executor
+        self._may_inline = may_inline
         self._lock = threading.Lock()
         self._entries: list[Any] = []
         self._flushing = False
+        self._sending = 0  # entries the flusher took and has not sent (or failed) yet
+        self._closed: BaseException | None = None
+        #: Messages sent by posting threads, and by the executor.
+        self.sent_inline = 0
+        self.sent_off = 0
+
+    @property
+    def pending(self) -> int:
+        """Entries posted and not sent yet: queued, or in the message being sent."""
+        with self._lock:
+            return len(self._entries) + self._sending
 
     def post(self, entries: list[Any], inline: bool = True) -> None:
         """Queue ``entries``; send them now from this thread unless another is sending.
 
         Args:
-            inline: ``False`` to hand the sending to the flush pool.
+            inline: ``False`` to hand the sending to the executor (or flush pool).
         """
         with self._lock:
-            if self._flushing:
+            closed = self._closed
+            if closed is None:
                 self._entries.extend(entries)
-                return
-            self._flushing = True
-            if not inline or self._entries:
-                self._entries.extend(entries)
-                entries = []
-        if not inline:
-            _flush_pool().submit(self._flush)
-            return
-        if entries:  # a lone poster: send its own entries without queueing them
-            self._send_or_fail(entries)
-        self._flush()
+                if self._flushing:
+                    return
+                self._flushing = True
+        if closed is not None:
+            self._fail(entries, closed)
+        elif inline:
+            self._flush(False)
+        else:
+            self._hand_off()
 
-    def _flush(self) -> None:
+    def close(self, exc: BaseException) -> None:
+        """Fail the entries still queued, and every later post, with ``exc``.
+
+        A message being sent meanwhile ends on its own (an outbox is closed when its peer
+        is gone, so that send fails too).
+        """
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._closed = exc
+            queued, self._entries = self._entries, []
+        if queued:
+            self._fail(queued, exc)
+
+    def _hand_off(self) -> None:
+        """Let the executor go on flushing (this thread holds the flushing turn)."""
+        try:
+            (self._executor or _flush_pool()).submit(self._flush, True)
+        except RuntimeError as exc:  # the executor was shut down: the outbox is done
+            with self._lock:
+                queued, self._entries = self._entries, []
+                self._flushing = False
+            if queued:
+                self._fail(queued, exc)
+
+    def _flush(self, off_poster: bool) -> None:
         while True:
             with self._lock:
                 batch, self._entries = self._entries, []
                 if not batch:
                     self._flushing = False
+                    self._sending = 0
                     return
+                self._sending = len(batch)
+            if not off_poster and self._may_inline is not None and not self._may_inline(batch):
+                with self._lock:  # back to the head, and the rest goes off this thread
+                    self._entries[:0] = batch
+                    self._sending = 0
+                self._hand_off()
+                return
+            if off_poster:
+                self.sent_off += 1
+            else:
+                self.sent_inline += 1
             self._send_or_fail(batch)
 
     def _send_or_fail(self, batch: list[Any]) -> None:

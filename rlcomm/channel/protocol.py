@@ -21,6 +21,10 @@ the list of a get_batch, a count, a rank). ``weights`` is the weight (or list of
 weights) of the items a get returns, so a client can put them back if it no longer
 wants them. Every request with ``rid >= 0`` gets exactly one reply; ``rid == -1``
 requests (``CANCEL``, ``REQUEUE``) get none.
+
+Every message also carries ``read``: in a client's message, how many reply messages
+that client has read from the channel worker so far, which tells the worker how much of
+what it sent is still unread (:mod:`~rlcomm.channel.replies`); ``-1`` in replies.
 """
 
 from __future__ import annotations
@@ -73,10 +77,11 @@ Key = str | int
 
 @dataclass
 class Envelope:
-    """One rlcomm message of the channel protocol: parallel heads and items."""
+    """One rlcomm message of the channel protocol: parallel heads and items, and ``read``."""
 
     heads: list[tuple]
     items: list[Any]
+    read: int = -1
 
 
 # Item types that cannot hold a tensor: a message of only these is sent as a plain tuple,
@@ -84,24 +89,25 @@ class Envelope:
 _PLAIN = frozenset((type(None), bytes, str, int, float, bool, bytearray))
 
 
-def pack(heads: list[tuple], items: list[Any]) -> Any:
+def pack(heads: list[tuple], items: list[Any], read: int = -1) -> Any:
     """The object to send for a message: an :class:`Envelope` when an item may hold a
-    tensor (so the codec extracts it), else the plain ``(heads, items)`` tuple."""
+    tensor (so the codec extracts it), else the plain ``(heads, items, read)`` tuple."""
     for item in items:
         tp = type(item)
         if tp in _PLAIN:
             continue
         if tp is list and all(type(x) in _PLAIN for x in item):  # a get_batch of plain items
             continue
-        return Envelope(heads, items)
-    return (heads, items)
+        return Envelope(heads, items, read)
+    return (heads, items, read)
 
 
-def unpack(message: Any) -> tuple[list[tuple], list[Any]] | None:
-    """``(heads, items)`` of a received message, ``None`` if it is not a channel message."""
+def unpack(message: Any) -> tuple[list[tuple], list[Any], int] | None:
+    """``(heads, items, read)`` of a received message, ``None`` if it is not a channel
+    message."""
     if type(message) is Envelope:
-        return message.heads, message.items
-    if type(message) is tuple and len(message) == 2 and type(message[0]) is list:
+        return message.heads, message.items, message.read
+    if type(message) is tuple and len(message) == 3 and type(message[0]) is list:
         return message
     return None
 

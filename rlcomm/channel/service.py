@@ -13,35 +13,86 @@ Threads, all owned here:
   spins once, not once per client. A client on another node (Gloo) is read by its
   connection's receiver thread, which applies its requests the same way;
 - the core's *timer* thread, which answers parked requests at their deadlines;
-- replies go out through one :class:`~rlcomm.channel.outbox.Outbox` per client, sent by
-  whichever thread produced them (a put from client A read on the selector thread sends
-  the item to the client B whose get it completes).
+- replies: each client has its own queue of replies
+  (:class:`~rlcomm.channel.outbox.Outbox`) and its own *reply* thread (made at the first
+  reply that needs it, ended when the client is gone). The thread that produces a reply
+  (a put from client A read on the selector thread completes client B's get) sends it
+  itself only when the write cannot wait on B (:mod:`~rlcomm.channel.replies`: B has
+  read nearly all it was sent, and the transport is shared memory); otherwise it queues
+  it, and B's reply thread sends it. A client that stops reading (a stopped or stalled
+  process) then holds up only its own reply thread, for up to the ``channel_reply_timeout`` setting:
+  the selector, the timer and every other client go on, and once it reads again it
+  gets every reply, in order.
+
+What a client's queue may hold is bounded by the client itself: every reply answers
+one request of that client (exactly one per request), so the queue holds at most as
+many replies as the client has requests outstanding, and their items are ones the
+client asked for, moved out of their keys (not copied). ``stats()["replies"]`` counts
+them.
 
 A reply that cannot be delivered (its client died) puts the items it carried back at
-the head of their key, and the client's parked requests are dropped.
+the head of their key, and the client's parked requests are dropped. A reply that
+timed out may have left part of a message in the client's stream, so the connection
+with that client is then closed: the client gets ``ChannelLostError`` rather than a
+broken stream, and its items go back to their keys.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Hashable
 from typing import Any
 
+import torch
+
 from rlcomm.channel import protocol as P
 from rlcomm.channel.client import LISTEN_OPTIONS, SEND_OPTIONS
 from rlcomm.channel.core import ChannelCore
 from rlcomm.channel.outbox import Outbox
+from rlcomm.channel.replies import ReadWindow, message_bytes
 from rlcomm.channel.routing import HomeTable
 from rlcomm.channel.state import Delivery
+from rlcomm.comm import codec
+from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import op_timeout
 from rlcomm.comm.selector import Selector
-from rlcomm.errors import CodecError, CommError
+from rlcomm.errors import CodecError, CommError, CommTimeoutError, PeerLostError
+from rlcomm.settings import get_settings
 from rlcomm.worker.address import WorkerAddress
 
 logger = logging.getLogger(__name__)
+
+
+_on_reply_thread = threading.local()
+
+
+def _mark_reply_thread() -> None:
+    _on_reply_thread.yes = True
+
+
+class _ClientReplies:
+    """The replies due to one client: its outbox, its reply thread (started at its first
+    flush off a posting thread) and what it has not read yet.
+
+    ``encoded`` keeps the batch that ``_may_inline`` encoded for the ``_send`` that comes
+    right after it on the same (flushing) thread: ``(batch, header, tensors, nbytes)``.
+    """
+
+    __slots__ = ("outbox", "thread", "window", "encoded")
+
+    def __init__(self) -> None:
+        self.outbox: Outbox
+        self.thread: concurrent.futures.ThreadPoolExecutor
+        self.window = ReadWindow()
+        self.encoded: tuple[list[Delivery], MessageHeader, list[torch.Tensor], int] | None = None
+
+    def close(self, exc: BaseException) -> None:
+        self.outbox.close(exc)
+        self.thread.shutdown(wait=False)
 
 
 class ChannelService:
@@ -63,7 +114,7 @@ class ChannelService:
         self._selector = Selector(f"rlcomm-channel-{channel_name}")
         self._listening: dict[WorkerAddress, Connection | None] = {}
         self._registrations: dict[WorkerAddress, int] = {}
-        self._outboxes: dict[Hashable, Outbox] = {}
+        self._replies: dict[Hashable, _ClientReplies] = {}
         self.homes = HomeTable() if coordinator else None
 
     def register_client(self, client: str) -> None:
@@ -86,6 +137,19 @@ class ChannelService:
         with self._lock:
             return len(self._listening)
 
+    def reply_stats(self) -> dict[str, Any]:
+        """Replies queued (or being sent) per client, and in all (what stalled clients
+        hold), and how many reply messages went inline and by reply threads."""
+        with self._lock:
+            replies = list(self._replies.items())
+        per_client = {str(client): n for client, r in replies if (n := r.outbox.pending)}
+        return {
+            "queued": sum(per_client.values()),
+            "clients": per_client,
+            "sent_inline": sum(r.outbox.sent_inline for _, r in replies),
+            "sent_by_reply_threads": sum(r.outbox.sent_off for _, r in replies),
+        }
+
     def _listen(self, address: WorkerAddress) -> None:
         with self._lock:
             seen = self._registrations.get(address, 0)
@@ -107,7 +171,9 @@ class ChannelService:
             logger.error("channel %r: unexpected %s message from %s; dropped",
                          self._channel_name, type(env).__name__, client)
             return
-        heads, items = message
+        heads, items, read = message
+        if read >= 0 and (replies := self._replies.get(client)) is not None:
+            replies.window.read(read)
         if any(h[0] == P.ROUTE for h in heads):
             heads, items = self._route(client, heads, items)
         if heads:
@@ -117,12 +183,18 @@ class ChannelService:
         """The connection with ``client`` (listened at registration ``seen``) failed."""
         self.core.drop_client(client)
         with self._lock:
-            if self._registrations.get(client, 0) == seen:
+            gone = self._registrations.get(client, 0) == seen
+            if gone:
                 self._listening.pop(client, None)
-                self._outboxes.pop(client, None)
-                # A client process that ended is part of every normal shutdown.
-                logger.debug("channel %r: client %s is gone (%s)", self._channel_name, client, exc)
-                return
+            # Replies queued for the process of that connection: their items go back to
+            # their keys (a new process at the address starts with a queue of its own).
+            replies = self._replies.pop(client, None)
+        if replies is not None:
+            replies.close(exc)
+        if gone:
+            # A client process that ended is part of every normal shutdown.
+            logger.debug("channel %r: client %s is gone (%s)", self._channel_name, client, exc)
+            return
         # A new process at the same address (a restarted worker) registered while this
         # one still read the old connection: listen to the new one (not on this thread,
         # which may hold the manager's lock).
@@ -159,29 +231,72 @@ class ChannelService:
         self._deliver(client, replies)
         return rest_heads, rest_items
 
-    def _outbox(self, client: Hashable) -> Outbox:
-        outbox = self._outboxes.get(client)
-        if outbox is None:
+    def _client_replies(self, client: Hashable) -> _ClientReplies | None:
+        """The reply queue of ``client`` (made at its first reply); ``None`` once it is gone."""
+        replies = self._replies.get(client)
+        if replies is None:
             with self._lock:
-                outbox = self._outboxes.get(client)
-                if outbox is None:
+                replies = self._replies.get(client)
+                if replies is None and client in self._listening:
                     address: WorkerAddress = client  # type: ignore[assignment]
-                    outbox = self._outboxes[client] = Outbox(
-                        lambda batch: self._send(address, batch),
-                        lambda batch, exc: self._undeliverable(address, batch, exc),
+                    replies = r = _ClientReplies()
+                    r.thread = concurrent.futures.ThreadPoolExecutor(
+                        1, f"rlcomm-channel-reply-{address}", initializer=_mark_reply_thread
                     )
-        return outbox
+                    r.outbox = Outbox(
+                        lambda batch: self._send(address, r, batch),
+                        lambda batch, exc: self._undeliverable(address, batch, exc),
+                        r.thread,
+                        lambda batch: self._may_inline(address, r, batch),
+                    )
+                    self._replies[client] = r
+        return replies
 
     def _deliver(self, client: Hashable, deliveries: list[Delivery]) -> None:
-        self._outbox(client).post(deliveries, inline=True)
+        """Send or queue replies for ``client``; never waits on it (see the module docstring)."""
+        replies = self._client_replies(client)
+        if replies is None:  # gone since the replies were made: their items go back
+            self._undeliverable(client, deliveries, PeerLostError(  # type: ignore[arg-type]
+                f"channel {self._channel_name!r}: client {client} is gone"))
+            return
+        replies.outbox.post(deliveries)
 
-    def _send(self, client: WorkerAddress, batch: list[Delivery]) -> None:
-        message = P.pack([d[1] for d in batch], [d[2] for d in batch])
+    def _may_inline(self, client: WorkerAddress, r: _ClientReplies, batch: list[Delivery]) -> bool:
+        """Whether the posting thread that flushes ``batch`` may send it itself: the write
+        cannot wait (see :mod:`~rlcomm.channel.replies`). Encodes it for ``_send``."""
         conn = self._listening.get(client)
-        if conn is not None and conn.error is None:
-            conn.send_message(message, op_timeout(SEND_OPTIONS))
-        else:  # not listened yet, or reconnecting
-            self._manager.send(message, client, False, SEND_OPTIONS)
+        if conn is None or conn.error is not None or conn.transport_name != "shm":
+            return False
+        try:
+            header, tensors = codec.encode(P.pack([d[1] for d in batch], [d[2] for d in batch]))
+        except CodecError:
+            return True  # _send raises it again; the outbox then sends entry by entry
+        if tensors and tensors[0].is_cuda:
+            return False
+        nbytes = message_bytes(header, tensors)
+        if not r.window.admits(nbytes):
+            return False
+        r.encoded = (batch, header, tensors, nbytes)
+        return True
+
+    def _send(self, client: WorkerAddress, r: _ClientReplies, batch: list[Delivery]) -> None:
+        encoded, r.encoded = r.encoded, None
+        if encoded is not None and encoded[0] is batch:  # inline: encoded by _may_inline
+            _, header, tensors, nbytes = encoded
+        else:
+            header, tensors = codec.encode(
+                P.pack([d[1] for d in batch], [d[2] for d in batch]))
+            nbytes = message_bytes(header, tensors)
+        conn = self._listening.get(client)
+        if conn is None or conn.error is not None:  # not listened yet, or reconnecting
+            conn = self._manager.connection(client, SEND_OPTIONS)
+            timeout = op_timeout(SEND_OPTIONS)
+        elif getattr(_on_reply_thread, "yes", False):
+            timeout = get_settings().channel_reply_timeout
+        else:  # inline: the write cannot wait; if it did all the same, no longer than a send
+            timeout = op_timeout(SEND_OPTIONS)
+        r.window.sent(nbytes)  # before the write: the client's report may come first
+        conn.send_inline(header, tensors, timeout)
 
     def _undeliverable(self, client: WorkerAddress, batch: list[Delivery], exc: BaseException) -> None:
         if isinstance(exc, CodecError):  # re-encoding a decoded item failed: answer, drop it
@@ -194,7 +309,12 @@ class ChannelService:
             return
         logger.warning("channel %r: replies to %s could not be sent (%s); their items go "
                        "back to their keys", self._channel_name, client, exc)
+        self.core.drop_client(client)  # first: the items must not come back to it
         for _, _, _, requeue in batch:
             if requeue is not None:
                 self.core.requeue(*requeue)
-        self.core.drop_client(client)
+        conn = self._listening.get(client)
+        if isinstance(exc, CommTimeoutError) and conn is not None:
+            # Part of the message may be in the client's stream: end the connection (the
+            # client sees it lost) rather than write behind half a message.
+            conn.close()

@@ -277,13 +277,14 @@ def test_describe_and_validate_type():
 def test_messages_carry_tensors_raw_and_plain_items_cheaply():
     heads = [(P.PUT, 0, "k", 1, None), (P.PUT, 1, "k", 1, None)]
     rollout = Rollout(torch.arange(4.0), 1.0)
-    message = P.pack(heads, [rollout, {"a": [torch.ones(2)], "b": 3}])
+    message = P.pack(heads, [rollout, {"a": [torch.ones(2)], "b": 3}], read=7)
     header, tensors = codec.encode(message)
     assert header.kind == codec.Kind.DATACLASS and len(tensors) == 2  # extracted, not pickled
-    heads_back, items = P.unpack(codec.decode(header, tensors))
-    assert heads_back == heads and torch.equal(items[0].obs, rollout.obs)
+    heads_back, items, read = P.unpack(codec.decode(header, tensors))
+    assert heads_back == heads and read == 7 and torch.equal(items[0].obs, rollout.obs)
     assert items[1]["b"] == 3 and torch.equal(items[1]["a"][0], torch.ones(2))
     plain = P.pack(heads, [b"x" * 10, [b"y", 2, None]])
     assert type(plain) is tuple
-    assert P.unpack(codec.decode(*codec.encode(plain))) == (heads, [b"x" * 10, [b"y", 2, None]])
+    assert P.unpack(codec.decode(*codec.encode(plain))) == (
+        heads, [b"x" * 10, [b"y", 2, None]], -1)
     assert P.unpack("something else") is None
