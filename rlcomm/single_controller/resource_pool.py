@@ -13,6 +13,7 @@ they come from.
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Sequence
@@ -90,6 +91,16 @@ class _Allocator:
         self._taken: dict[tuple[str, str], set[int]] = {}
 
     def take(self, count: int, cluster: Cluster, use_gpu: bool, preferred: int) -> tuple[int, str, list[int]]:
+        try:
+            return self._take(count, cluster, use_gpu, preferred)
+        except ValueError:
+            # Dropped pools give their slots back when collected; one caught in a
+            # reference cycle waits for the collector. Collect (no lock held: the
+            # finalizers release slots under it), then try once more.
+            gc.collect()
+            return self._take(count, cluster, use_gpu, preferred)
+
+    def _take(self, count: int, cluster: Cluster, use_gpu: bool, preferred: int) -> tuple[int, str, list[int]]:
         kind = "gpu" if use_gpu else "cpu"
         with self._lock:
             taken = {

@@ -407,41 +407,42 @@ def test_a_clean_send_timeout_keeps_the_stream(conns):
     assert receive(b) == "next"
 
 
-def test_the_shm_setup_socket_refuses_other_processes():
+def _errors_of_both_ends(make, join_timeout: float) -> dict[int, BaseException]:
+    """Make both ends of a transport (rank 1 on a thread) with ``make(store, rank)``;
+    the CommError each end raised, by rank."""
     stores = two_stores()
     errors: dict[int, BaseException] = {}
 
-    def make(rank: int) -> None:
-        # Rank 0 expects a process that is not this one: this process's connection
-        # must be refused.
-        pid = os.getppid() if rank == 0 else None
+    def end(rank: int) -> None:
         try:
-            ShmTransport(stores[rank], rank, 3, f"end{1 - rank}", peer_pid=pid).close()
+            make(stores[rank], rank)
         except CommError as exc:
             errors[rank] = exc
 
-    t = threading.Thread(target=make, args=(1,))
+    t = threading.Thread(target=end, args=(1,))
     t.start()
-    make(0)
-    t.join(timeout=20)
+    end(0)
+    t.join(timeout=join_timeout)
+    return errors
+
+
+def test_the_shm_setup_socket_refuses_other_processes():
+    def make(store, rank):
+        # Rank 0 expects a process that is not this one: this process's connection
+        # must be refused.
+        pid = os.getppid() if rank == 0 else None
+        ShmTransport(store, rank, 3, f"end{1 - rank}", peer_pid=pid).close()
+
+    errors = _errors_of_both_ends(make, 20)
     assert isinstance(errors.get(0), CommTimeoutError)
 
 
 def test_a_gloo_pair_without_the_secret_is_refused():
-    stores = two_stores()
-    errors: dict[int, BaseException] = {}
-
-    def make(rank: int) -> None:
+    def make(store, rank):
         secret = (b"a" if rank == 0 else b"b") * 32
-        try:
-            GlooTransport(stores[rank], rank, 10, f"end{1 - rank}", secret=secret)
-        except CommError as exc:
-            errors[rank] = exc
+        GlooTransport(store, rank, 10, f"end{1 - rank}", secret=secret)
 
-    t = threading.Thread(target=make, args=(1,))
-    t.start()
-    make(0)
-    t.join(timeout=30)
+    errors = _errors_of_both_ends(make, 30)
     assert isinstance(errors.get(0), AuthenticationError)
     assert isinstance(errors.get(1), AuthenticationError)
 

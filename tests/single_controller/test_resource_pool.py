@@ -73,3 +73,25 @@ def test_pool_rejects():
         RayResourcePool([2, 0])
     with pytest.raises(ValueError, match="max_colocate_count"):
         RayResourcePool([1], max_colocate_count=0)
+
+
+def test_a_dropped_pool_in_a_reference_cycle_gives_its_slots_back(cluster):
+    """Pools free their slots when collected; one caught in a reference cycle is
+    collected when a later pool would not fit otherwise."""
+    import gc
+
+    from rlcomm.single_controller.resource_pool import _ALLOCATOR
+
+    gc.collect()
+    node = cluster.nodes[0]
+    free = node.num_cpu_slots - len(_ALLOCATOR._taken.get((node.node_id, "cpu"), ()))
+    gc.disable()
+    try:
+        pool = RayResourcePool([free], use_gpu=False)
+        assert len(pool.placements(cluster)) == free
+        pool.cycle = pool  # only the cycle collector can free it now
+        del pool
+        again = RayResourcePool([free], use_gpu=False)
+        assert len(again.placements(cluster)) == free
+    finally:
+        gc.enable()
