@@ -126,7 +126,8 @@ class StreamReader:
         msg = Incoming(*framing.unpack(transport.recv_frame(None, rest)))
         header = msg.header
         metas = header.tensors
-        total = sum(m.nbytes for m in metas)
+        sizes = [m.nbytes for m in metas]
+        total = sum(sizes)
         if total > max_message_bytes():
             raise ProtocolMismatchError(
                 f"a message from {self.peer} declares {total} bytes, over this worker's "
@@ -142,7 +143,7 @@ class StreamReader:
             if header.kind != Kind.RAW:
                 msg.tensors = framing.split_inline(header, msg.inline)
         elif header.kind != Kind.RAW and not metas[0].device.startswith("cuda"):
-            payload = transport.recv_new([m.nbytes for m in metas if m.nbytes], rest)
+            payload = transport.recv_new([n for n in sizes if n], rest)
             msg.tensors = framing.tensors_from_payload(header, payload)
             msg.nbytes += total
         else:
