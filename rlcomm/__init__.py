@@ -4,6 +4,7 @@ from rlcomm._version import __version__
 from rlcomm.channel import Channel
 from rlcomm.cluster import Cluster
 from rlcomm.comm.codec import set_strict_mode
+from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout, set_memory_limits
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
@@ -34,7 +35,6 @@ from rlcomm.placement import (
     PlacementStrategy,
 )
 from rlcomm.settings import Settings, SettingsError, get_settings, update_settings
-from rlcomm.worker.address import WorkerAddress
 from rlcomm.worker.group import WorkerGroup
 from rlcomm.worker.multi_worker_future import MultiWorkerFuture
 from rlcomm.worker.result import GroupResult

@@ -103,8 +103,8 @@ class GpuBenchWorker(Worker):
 
     def cuda_transport(self, peer: tuple[str, int]) -> str:
         """Which transport rlcomm chose for CUDA payloads with ``peer``."""
+        from rlcomm.comm.identity.address import WorkerAddress
         from rlcomm.comm.manager import CommManager
-        from rlcomm.worker.address import WorkerAddress
 
         conn = CommManager.current().connection(WorkerAddress(peer[0], (peer[1],)), None)
         return getattr(conn._cuda, "name", "none")

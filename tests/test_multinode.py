@@ -4,7 +4,7 @@ import pytest
 import ray
 
 from rlcomm import NodePlacementStrategy
-from rlcomm.worker.registry import registry
+from rlcomm.comm.identity.registry import registry
 from tests.worker.test_group import AllReduceWorker
 
 

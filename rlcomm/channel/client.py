@@ -37,6 +37,7 @@ from rlcomm.channel.core import ChannelCore
 from rlcomm.channel.outbox import Outbox
 from rlcomm.channel.state import Delivery
 from rlcomm.cluster import RLCOMM_NAMESPACE
+from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager
 from rlcomm.comm.options import CollectiveGroupOptions, op_timeout
 from rlcomm.errors import (
@@ -50,7 +51,6 @@ from rlcomm.errors import (
     PeerLostError,
     PeerNotFoundError,
 )
-from rlcomm.worker.address import WorkerAddress
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class Link(Requester):
         super().__init__(channel, maxsize, str(self.address))
         self._replies_read = 0  # reply messages read: each request message reports it
         self._comm = CommManager.for_process()
-        from rlcomm.worker.group import actor_name
+        from rlcomm.comm.identity import actor_name
 
         try:
             actor = ray.get_actor(actor_name(group_name, rank), namespace=RLCOMM_NAMESPACE)

@@ -24,8 +24,8 @@ from ray import cloudpickle
 
 from rlcomm.channel.client import CONTROL_TIMEOUT, drop_links
 from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster
+from rlcomm.comm.identity.registry import registry
 from rlcomm.errors import ChannelClosedError, ChannelError, ChannelLostError, WorkerGroupError
-from rlcomm.worker.registry import registry
 
 # The worker groups of the channels this process created, by group name.
 _owned_groups: dict[str, Any] = {}
@@ -114,7 +114,7 @@ def lookup(channel_name: str, timeout: float) -> ChannelInfo:
         ChannelLostError: its worker does not answer.
     """
     from rlcomm.channel.actor import group_name_of
-    from rlcomm.worker.group import actor_name
+    from rlcomm.comm.identity import actor_name
 
     group_name = group_name_of(channel_name)
     deadline = time.monotonic() + timeout
@@ -162,7 +162,7 @@ def shut_down(info: ChannelInfo) -> None:
 
 def worker_stats(info: ChannelInfo) -> list[dict[str, Any]]:
     """Each channel worker's counters and node id (Ray calls)."""
-    from rlcomm.worker.group import actor_name
+    from rlcomm.comm.identity import actor_name
 
     actors = [
         ray.get_actor(actor_name(info.group_name, r), namespace=RLCOMM_NAMESPACE)
@@ -173,7 +173,7 @@ def worker_stats(info: ChannelInfo) -> list[dict[str, Any]]:
 
 def worker_peek(info: ChannelInfo, rank: int, key: Any) -> list[Any]:
     """The items queued on ``key`` at channel worker ``rank`` (a Ray call)."""
-    from rlcomm.worker.group import actor_name
+    from rlcomm.comm.identity import actor_name
 
     actor = ray.get_actor(actor_name(info.group_name, rank), namespace=RLCOMM_NAMESPACE)
     return ray.get(actor.channel_peek_all.remote(key), timeout=CONTROL_TIMEOUT)

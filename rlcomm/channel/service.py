@@ -57,12 +57,12 @@ from rlcomm.channel.state import Delivery
 from rlcomm.comm import codec
 from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import op_timeout
 from rlcomm.comm.selector import Selector
 from rlcomm.errors import CodecError, CommError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
-from rlcomm.worker.address import WorkerAddress
 
 logger = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
+from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.comm.transports.shm_fanout import FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
-from rlcomm.worker.address import WorkerAddress, normalize_rank
 
 GroupsSpec = Sequence[tuple[str, Any]]
 

@@ -13,8 +13,14 @@ import torch.distributed as dist
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.store import sub_store
-from rlcomm.comm.transports.base import FRAME_BYTES, fixed_frames, frame_rest
-from rlcomm.comm.transports.gloo import FOREVER, classify_error, new_gloo_group
+from rlcomm.comm.transports.base import (
+    FOREVER,
+    FRAME_BYTES,
+    classify_error,
+    fixed_frames,
+    frame_rest,
+)
+from rlcomm.comm.transports.gloo import new_gloo_group
 
 
 class GlooBroadcast:

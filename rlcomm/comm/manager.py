@@ -25,6 +25,8 @@ import torch.distributed as dist
 from rlcomm.comm import codec
 from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.identity.address import RankLike, WorkerAddress
+from rlcomm.comm.identity.registry import job_secret, registry
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout, op_timeout
 from rlcomm.comm.rendezvous import (
     Endpoint,
@@ -48,8 +50,6 @@ from rlcomm.errors import (
     PeerNotFoundError,
     RlcommError,
 )
-from rlcomm.worker.address import RankLike, WorkerAddress
-from rlcomm.worker.registry import job_secret, registry
 
 logger = logging.getLogger(__name__)
 

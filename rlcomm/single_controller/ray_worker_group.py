@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlcomm.cluster import Cluster
+from rlcomm.comm.identity import actor_name
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import NodeSpec, Placement, PlacementStrategy
 from rlcomm.settings import GROUP_NAME_ENV
@@ -28,7 +29,7 @@ from rlcomm.worker.dispatch import (
     nd_layout,
     split_call_args,
 )
-from rlcomm.worker.group import WorkerGroup, actor_name
+from rlcomm.worker.group import WorkerGroup
 from rlcomm.worker.result import GroupResult
 from rlcomm.worker.worker import Worker
 

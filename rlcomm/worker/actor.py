@@ -20,9 +20,9 @@ from typing import Any
 
 import ray
 
+from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager
 from rlcomm.settings import GROUP_NAME_ENV, get_settings, update_settings
-from rlcomm.worker.address import WorkerAddress
 from rlcomm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

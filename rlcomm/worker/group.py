@@ -13,6 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster, connect_ray
+from rlcomm.comm.identity import actor_name, check_group_name, registry
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import (
     BundlePlacementStrategy,
@@ -36,7 +37,6 @@ from rlcomm.worker.configure import (
     resolve_worker_options,
     unwrap_ray_remote,
 )
-from rlcomm.worker.registry import registry
 from rlcomm.worker.result import GroupResult
 from rlcomm.worker.sharded_calls import ShardedCallsMixin
 from rlcomm.worker.sharding import NamedSharding
@@ -45,23 +45,6 @@ from rlcomm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 W = TypeVar("W", bound=Worker)
-
-def actor_name(group_name: str, rank: int) -> str:
-    return f"{group_name}:{rank}"
-
-
-def check_group_name(name: object, where: str) -> None:
-    """Raise unless ``name`` can name a worker group: a non-empty str without ``:``
-    (``:`` separates group and rank in addresses such as ``actors:0``)."""
-    if not isinstance(name, str):
-        raise TypeError(f"{where}: a group name must be a str, got {type(name).__name__} {name!r}")
-    if not name or name != name.strip():
-        raise ValueError(f"{where}: a group name must be non-empty, without surrounding "
-                         f"spaces; got {name!r}")
-    if ":" in name:
-        raise ValueError(f"{where}: group name {name!r} contains ':', which separates group "
-                         "and rank in worker addresses (e.g. 'actors:0'); use '_' or '-' instead")
-
 
 def _check_launch_args(cluster: object, placement_strategy: object, name: object,
                        max_concurrency: object, env_vars: object) -> None:

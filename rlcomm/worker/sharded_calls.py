@@ -142,7 +142,7 @@ class ShardedCallsMixin:
     @property
     def worker_metadata(self) -> list[dict[str, Any]]:
         """Per worker: rank, actor name, node, local rank, GPUs, tied group, coordinates."""
-        from rlcomm.worker.group import actor_name
+        from rlcomm.comm.identity import actor_name
 
         tied_of = self.worker_to_tied_group_index
         out = []

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.settings import group_name_from_env
-from rlcomm.worker.address import RankLike, WorkerAddress
 from rlcomm.worker.dispatch import DispatchInfoMixin
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from rlcomm import (
     Worker,
 )
 from rlcomm.cluster import RLCOMM_NAMESPACE
-from rlcomm.worker.group import actor_name
+from rlcomm.comm.identity import actor_name
 
 
 @dataclass

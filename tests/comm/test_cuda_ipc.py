@@ -21,6 +21,7 @@ from rlcomm import (
 )
 from rlcomm.comm import connection as connection_module
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.transports import cuda_ipc
 from rlcomm.comm.transports.cuda_ipc import (
     ALIGN,
@@ -34,7 +35,6 @@ from rlcomm.comm.transports.cuda_ipc import (
 )
 from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.errors import CommTimeoutError, PeerLostError, ProtocolMismatchError
-from rlcomm.worker.address import WorkerAddress
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_shm = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")

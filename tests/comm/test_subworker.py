@@ -7,7 +7,7 @@ import multiprocessing as mp
 import torch
 
 from rlcomm import NodePlacementStrategy, Worker
-from rlcomm.worker.address import WorkerAddress
+from rlcomm.comm.identity.address import WorkerAddress
 
 
 class Child(Worker):

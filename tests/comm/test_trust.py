@@ -23,6 +23,7 @@ import torch
 from rlcomm import CollectiveGroupOptions, NodePlacementStrategy, Worker
 from rlcomm.comm import codec
 from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
+from rlcomm.comm.identity.registry import job_secret, registry
 from rlcomm.comm.rendezvous import Note, decode_endpoint, post
 from rlcomm.comm.store import StoreClient, StoreServer
 from rlcomm.comm.transports.gloo import GlooTransport
@@ -34,7 +35,6 @@ from rlcomm.errors import (
     PeerLostError,
     ProtocolMismatchError,
 )
-from rlcomm.worker.registry import job_secret, registry
 from tests.comm.pairs import receive, send, two_stores
 
 pytestmark = pytest.mark.timeout(180)
@@ -90,8 +90,8 @@ class TrustPeer(Worker):
         return CommManager.current()._mailbox.rejected
 
     def transport_with(self, group, rank):
+        from rlcomm.comm.identity.address import WorkerAddress
         from rlcomm.comm.manager import CommManager
-        from rlcomm.worker.address import WorkerAddress
 
         conn = CommManager.current()._conns.get(WorkerAddress.of(group, rank))
         return None if conn is None else conn.transport_name
@@ -102,8 +102,8 @@ class TrustPeer(Worker):
         set_memory_limits(max_unread=nbytes)
 
     def unread_from(self, group, rank):
+        from rlcomm.comm.identity.address import WorkerAddress
         from rlcomm.comm.manager import CommManager
-        from rlcomm.worker.address import WorkerAddress
 
         return CommManager.current()._conns[WorkerAddress.of(group, rank)]._unread
 
@@ -128,8 +128,8 @@ class TrustPeer(Worker):
     def forge_half_message(self, group, rank):
         """Send a frame whose 1 MiB payload never follows (as a sender frozen
         mid-message would leave it)."""
+        from rlcomm.comm.identity.address import WorkerAddress
         from rlcomm.comm.manager import CommManager
-        from rlcomm.worker.address import WorkerAddress
 
         conn = CommManager.current().connection(WorkerAddress.of(group, rank), None)
         conn.wait_ready(30)

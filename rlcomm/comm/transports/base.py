@@ -11,6 +11,7 @@ not send (or receive) on one transport at once — the connection above serializ
 
 from __future__ import annotations
 
+import datetime
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -19,10 +20,25 @@ import numpy as np
 import torch
 
 from rlcomm.comm.transports import pool
+from rlcomm.errors import CommError, CommTimeoutError, PeerLostError
 
 #: Size of the fixed frames of transports that need equal-sized messages (Gloo).
 FRAME_BYTES = 4096
 _TOTAL = struct.Struct("<I")
+
+#: How long a receive may wait for a live peer that sends nothing (a week: "forever").
+FOREVER = datetime.timedelta(days=7)
+
+
+def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
+    """Turn a torch.distributed error into rlcomm's timeout / lost-peer errors."""
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
+        return CommTimeoutError(f"{what} with {peer} timed out: {text.splitlines()[0]}")
+    return PeerLostError(
+        f"{what} with {peer} failed, the peer process is gone or its connection broke: "
+        f"{text.splitlines()[0] if text else type(exc).__name__}"
+    )
 
 
 def fixed_frames(frame: bytes) -> list[torch.Tensor]:

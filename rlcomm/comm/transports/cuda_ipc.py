@@ -36,8 +36,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports.base import Transport
-from rlcomm.comm.transports.gloo import FOREVER, classify_error
+from rlcomm.comm.transports.base import FOREVER, Transport, classify_error
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
 
 #: Each tensor of a payload starts at a multiple of this many bytes of the staging buffer.

@@ -17,27 +17,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports.base import Transport
-from rlcomm.errors import AuthenticationError, CommError, CommTimeoutError, PeerLostError
+from rlcomm.comm.transports.base import FOREVER, Transport, classify_error
+from rlcomm.errors import AuthenticationError, CommError, PeerLostError
 
 _NONCE = 32
 
 logger = logging.getLogger(__name__)
-
-#: How long a receive may wait for a live peer that sends nothing (a week: "forever").
-FOREVER = datetime.timedelta(days=7)
-
-
-def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
-    """Turn a torch.distributed error into rlcomm's timeout / lost-peer errors."""
-    text = str(exc)
-    if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
-        return CommTimeoutError(f"{what} with {peer} timed out: {text.splitlines()[0]}")
-    return PeerLostError(
-        f"{what} with {peer} failed, the peer process is gone or its connection broke: "
-        f"{text.splitlines()[0] if text else type(exc).__name__}"
-    )
-
 
 _unbindable_warned: set[str] = set()
 

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports.base import Transport
-from rlcomm.comm.transports.gloo import FOREVER, classify_error
+from rlcomm.comm.transports.base import FOREVER, Transport, classify_error
 
 
 class NcclTransport(Transport):
