@@ -1,23 +1,32 @@
-"""``ChannelActor``: the worker that holds a channel's queues.
+"""``ChannelActor``: the process that holds a channel's queues, and how it is started.
 
-:meth:`Channel.create <rlcomm.Channel.create>` launches it as a :class:`~rlcomm.WorkerGroup`
-named ``channel.<name>``: one rank on the chosen node, or one rank per node for a
-distributed channel (rank ``r`` on node ``r``). Ray actor calls are its control plane
-only (a client registers, ``connect`` reads the description, tests read counters); every
-put, get and reply is an rlcomm message on the point-to-point layer, served by its
-:class:`~rlcomm.channel.service.ChannelService`.
+A channel ``x`` runs as the rlcomm group ``channel.x``: one Ray actor on the chosen node,
+or one per node for a distributed channel (rank ``r`` on node ``r``), each named by
+:func:`~rlcomm.comm.identity.actor_name` like any worker. It is built from comm parts
+only, not from :class:`~rlcomm.Worker`: :func:`~rlcomm.comm.process.start_process` gives
+it its address and communication, and a
+:class:`~rlcomm.channel.service.ChannelService` serves its clients. Ray actor calls are
+its control plane only (a client registers, ``connect`` reads the description, tests
+read counters); every put, get and reply is an rlcomm message on the point-to-point
+layer.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlcomm.channel.service import ChannelService
-from rlcomm.worker.worker import Worker
+from rlcomm.cluster import RLCOMM_NAMESPACE
+from rlcomm.comm.identity import actor_name
+from rlcomm.comm.process import ProcessContext, inherited_env, start_process
+from rlcomm.settings import get_settings, live_changes
 
-#: Prefix of the worker group of a channel: the group of channel ``x`` is ``channel.x``.
+#: Prefix of the group of a channel: the group of channel ``x`` is ``channel.x``.
 GROUP_PREFIX = "channel."
 
 
@@ -25,10 +34,12 @@ def group_name_of(channel_name: str) -> str:
     return f"{GROUP_PREFIX}{channel_name}"
 
 
-class ChannelActor(Worker):
-    """One channel worker (see the module docstring).
+class ChannelActor:
+    """One channel worker (see the module docstring); Ray runs it, :func:`start_actors`
+    makes it.
 
     Args:
+        ctx: its identity in the group ``channel.<name>`` (and the launcher's settings).
         channel_name: the channel's name.
         maxsize: items per key; 0 for unbounded.
         item_type_blob: the channel's ``item_type``, pickled by the creator (the worker
@@ -39,23 +50,34 @@ class ChannelActor(Worker):
 
     def __init__(
         self,
+        ctx: ProcessContext,
         channel_name: str,
         maxsize: int,
         item_type_blob: bytes,
         distributed: bool,
         incarnation: str,
     ):
-        super().__init__()
+        start_process(ctx)
+        self._address = ctx.address
+        self._rank = ctx.rank
         self._channel_name = channel_name
         self._maxsize = maxsize
         self._item_type_blob = item_type_blob
         self._distributed = distributed
         self._incarnation = incarnation
         self._service = ChannelService(
-            channel_name, maxsize, distributed and self._rank == 0, str(self.worker_address)
+            channel_name, maxsize, distributed and ctx.rank == 0, str(self._address)
         )
 
     # -- control plane (Ray actor calls) --------------------------------------------------
+
+    def channel_node_info(self) -> dict[str, Any]:
+        """Where this worker runs (what the registry records of every group member)."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
 
     def channel_describe(self) -> dict[str, Any]:
         """What a client needs to use the channel (``Channel.connect`` reads it)."""
@@ -87,3 +109,23 @@ class ChannelActor(Worker):
             homes=homes.snapshot() if (homes := self._service.homes) is not None else None,
         )
         return stats
+
+
+def start_actors(group_name: str, node_ids: Sequence[str], *args: Any) -> list[Any]:
+    """Start rank ``r`` of the group ``group_name`` on node ``node_ids[r]``, each a
+    :class:`ChannelActor` of ``args``; returns their Ray handles, by rank (their
+    ``__init__`` may still be running)."""
+    remote_cls = ray.remote(ChannelActor)
+    env = inherited_env()
+    settings = live_changes()
+    actors = []
+    for rank, node_id in enumerate(node_ids):
+        ctx = ProcessContext(group_name, rank, len(node_ids), env=env, settings=settings)
+        options = {
+            "name": actor_name(group_name, rank),
+            "namespace": RLCOMM_NAMESPACE,
+            "num_cpus": get_settings().worker_num_cpus,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+        }
+        actors.append(remote_cls.options(**options).remote(ctx, *args))
+    return actors

@@ -12,6 +12,7 @@ channel keeps its group's handles: the channel lives as long as that process, or
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
@@ -22,13 +23,17 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+from rlcomm.channel.actor import group_name_of, start_actors
 from rlcomm.channel.client import CONTROL_TIMEOUT, drop_links
 from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster
-from rlcomm.comm.identity.registry import registry
-from rlcomm.errors import ChannelClosedError, ChannelError, ChannelLostError, WorkerGroupError
+from rlcomm.comm.identity import actor_name, registry
+from rlcomm.errors import ChannelClosedError, ChannelError, ChannelLostError
+from rlcomm.settings import get_settings
 
-# The worker groups of the channels this process created, by group name.
-_owned_groups: dict[str, Any] = {}
+logger = logging.getLogger(__name__)
+
+# The actor handles of the channels this process created, by group name.
+_owned_groups: dict[str, list[Any]] = {}
 _owned_lock = threading.Lock()
 
 
@@ -65,15 +70,12 @@ def launch(
     item_type: Any,
     cluster: Cluster | None,
 ) -> ChannelInfo:
-    """Start the channel workers of a new channel.
+    """Start the channel workers of a new channel and record their group in the registry.
 
     Raises:
-        ChannelError: a channel of that name exists already.
+        ChannelError: a channel of that name exists already, or a worker did not start.
         ValueError: ``node_rank`` is not in the cluster.
     """
-    from rlcomm.channel.actor import ChannelActor, group_name_of
-    from rlcomm.placement import NodePlacementStrategy
-
     cluster = cluster or Cluster()
     if not distributed and not 0 <= node_rank < cluster.num_nodes:
         raise ValueError(
@@ -81,27 +83,38 @@ def launch(
             f"{cluster.num_nodes} node(s)"
         )
     ranks = list(range(cluster.num_nodes)) if distributed else [node_rank]
+    node_ids = tuple(cluster.node(r).node_id for r in ranks)
     group_name = group_name_of(channel_name)
-    exists = ChannelError(
-        f"a channel named {channel_name!r} exists already; connect to it with "
-        f"connect_channel({channel_name!r}) or pick another name"
-    )
-    if ray.get(registry().get_group.remote(group_name), timeout=CONTROL_TIMEOUT):
-        raise exists
+    if not ray.get(registry().reserve_group.remote(group_name), timeout=CONTROL_TIMEOUT):
+        raise ChannelError(
+            f"a channel named {channel_name!r} exists already; connect to it with "
+            f"connect_channel({channel_name!r}) or pick another name"
+        )
     incarnation = uuid.uuid4().hex[:12]
     # cloudpickle: an item_type defined in a script's __main__ travels by value.
     blob = cloudpickle.dumps(item_type) if item_type is not None else b""
+    actors: list[Any] = []
     try:
-        group = ChannelActor.create_group(
-            channel_name, maxsize, blob, distributed, incarnation
-        ).launch(cluster, NodePlacementStrategy(ranks), name=group_name)
-    except WorkerGroupError as exc:
-        if ray.get(registry().get_group.remote(group_name), timeout=CONTROL_TIMEOUT):
-            raise exists from exc
+        actors = start_actors(group_name, node_ids, channel_name, maxsize, blob, distributed,
+                              incarnation)
+        try:
+            # The first call on each actor waits for its __init__ and surfaces its errors.
+            workers = ray.get([a.channel_node_info.remote() for a in actors],
+                              timeout=get_settings().launch_timeout)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise ChannelError(
+                f"create_channel: the worker(s) of channel {channel_name!r} did not start: {exc}"
+            ) from exc
+        record = {"worker_cls_name": "ChannelActor", "world_size": len(ranks),
+                  "node_ranks": ranks, "workers": workers}
+        ray.get(registry().set_group.remote(group_name, record), timeout=CONTROL_TIMEOUT)
+    except BaseException:
+        ray.get(registry().drop_group.remote(group_name), timeout=CONTROL_TIMEOUT)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
         raise
     with _owned_lock:
-        _owned_groups[group_name] = group
-    node_ids = tuple(cluster.node(r).node_id for r in ranks)
+        _owned_groups[group_name] = actors
     return ChannelInfo(channel_name, maxsize, item_type, distributed, group_name, node_ids,
                        incarnation)
 
@@ -113,9 +126,6 @@ def lookup(channel_name: str, timeout: float) -> ChannelInfo:
         ChannelError: no such channel in time.
         ChannelLostError: its worker does not answer.
     """
-    from rlcomm.channel.actor import group_name_of
-    from rlcomm.comm.identity import actor_name
-
     group_name = group_name_of(channel_name)
     deadline = time.monotonic() + timeout
     while True:
@@ -144,26 +154,28 @@ def lookup(channel_name: str, timeout: float) -> ChannelInfo:
 
 def shut_down(info: ChannelInfo) -> None:
     """End the channel workers and free the name; this process's links fail from now."""
-    from rlcomm.channel.actor import ChannelActor
-    from rlcomm.worker.group import WorkerGroup
-
     with _owned_lock:
-        group = _owned_groups.pop(info.group_name, None)
-    if group is None:
-        try:
-            group = WorkerGroup.from_group_name(ChannelActor, info.group_name)
-        except WorkerGroupError:
-            group = None
-    if group is not None:
-        group.shutdown()
+        actors = _owned_groups.pop(info.group_name, None)
+    if actors is None:
+        actors = []
+        for rank in range(len(info.node_ids)):
+            try:
+                actors.append(ray.get_actor(actor_name(info.group_name, rank),
+                                            namespace=RLCOMM_NAMESPACE))
+            except ValueError:  # gone already
+                pass
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    try:
+        ray.get(registry().drop_group.remote(info.group_name), timeout=CONTROL_TIMEOUT)
+    except ray.exceptions.RayError as exc:
+        logger.warning("could not unregister channel group %s: %s", info.group_name, exc)
     drop_links(info.group_name, info.incarnation,
                ChannelClosedError(f"channel {info.name!r} was shut down"))
 
 
 def worker_stats(info: ChannelInfo) -> list[dict[str, Any]]:
     """Each channel worker's counters and node id (Ray calls)."""
-    from rlcomm.comm.identity import actor_name
-
     actors = [
         ray.get_actor(actor_name(info.group_name, r), namespace=RLCOMM_NAMESPACE)
         for r in range(len(info.node_ids))
@@ -173,7 +185,5 @@ def worker_stats(info: ChannelInfo) -> list[dict[str, Any]]:
 
 def worker_peek(info: ChannelInfo, rank: int, key: Any) -> list[Any]:
     """The items queued on ``key`` at channel worker ``rank`` (a Ray call)."""
-    from rlcomm.comm.identity import actor_name
-
     actor = ray.get_actor(actor_name(info.group_name, rank), namespace=RLCOMM_NAMESPACE)
     return ray.get(actor.channel_peek_all.remote(key), timeout=CONTROL_TIMEOUT)

@@ -15,52 +15,29 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from rlcomm.comm.identity.address import WorkerAddress
-from rlcomm.comm.manager import CommManager
-from rlcomm.settings import GROUP_NAME_ENV, get_settings, update_settings
+from rlcomm.comm.process import ProcessContext, start_process
+from rlcomm.settings import get_settings
 from rlcomm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class WorkerContext:
-    """Everything a worker process needs before the user's ``__init__`` runs."""
+class WorkerContext(ProcessContext):
+    """Everything a worker process needs before the user's ``__init__`` runs: a
+    :class:`~rlcomm.comm.process.ProcessContext` and the failure reporting asked for."""
 
-    group_name: str
-    rank: int
-    world_size: int
-    env: dict[str, str] = field(default_factory=dict)
     catch_system_failure: bool = True
-    disable_distributed_log: bool = False
-    #: The live settings the driver changed (``rlcomm.settings.live_changes()``).
-    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def catch_failure_default() -> bool:
     return get_settings().catch_failure
-
-
-_LOG_HANDLER_NAME = "rlcomm-worker-stderr"
-
-
-def pass_on_rlcomm_logs(level: str) -> None:
-    """In a worker process: write the ``rlcomm`` logger's records of ``level`` and above
-    to stderr, which Ray forwards to the driver. Only the ``rlcomm`` logger is touched
-    (never the root logger), and only once per process."""
-    rlcomm_logger = logging.getLogger("rlcomm")
-    rlcomm_logger.setLevel(level)
-    if any(h.get_name() == _LOG_HANDLER_NAME for h in rlcomm_logger.handlers):
-        return
-    handler = logging.StreamHandler()
-    handler.set_name(_LOG_HANDLER_NAME)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    rlcomm_logger.addHandler(handler)
 
 
 def find_free_port() -> int:
@@ -135,17 +112,10 @@ def make_actor_class(worker_cls: type[Worker], catch_system_failure: bool) -> ty
 
     def __init__(self, _rlcomm_ctx: WorkerContext, *args: Any, **kwargs: Any) -> None:
         ctx = _rlcomm_ctx
-        os.environ.update(ctx.env)
-        os.environ[GROUP_NAME_ENV] = ctx.group_name
-        address = WorkerAddress(ctx.group_name, (ctx.rank,))
-        if ctx.settings:
-            update_settings(**ctx.settings)
-        if not ctx.disable_distributed_log:
-            pass_on_rlcomm_logs(get_settings().log_level)
         if ctx.catch_system_failure:
-            _install_failure_hooks(address)
-        self._bind_identity(address, ctx.world_size)
-        CommManager.start(address)
+            _install_failure_hooks(ctx.address)
+        self._bind_identity(ctx.address, ctx.world_size)
+        start_process(ctx)
         worker_cls.__init__(self, *args, **kwargs)
 
     def _rlcomm_node_info(self) -> dict[str, Any]:

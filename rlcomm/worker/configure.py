@@ -20,19 +20,18 @@ environment variables (``docs/design-docs/env-vars.md``) and its worker builder:
    scheduling strategy. These always win; a warning is logged when they override a
    value from the user or the worker.
 
-Pure: no Ray.
+Pure: no Ray calls.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlcomm.settings import GROUP_NAME_ENV
+from rlcomm.comm.process import inherited_env
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +58,6 @@ class WorkerOptions:
 #: ``num_gpus`` or ``resources``, would fight rlcomm's own placement and are dropped).
 _KEPT_CLASS_OPTIONS = ("runtime_env", "max_concurrency", "concurrency_groups")
 
-#: Variables of the launching process that never go to workers: Ray's own, the devices
-#: Ray or rlcomm assign per worker, and rlcomm's group name.
-_DRIVER_ENV_PREFIXES = ("RAY_",)
-_DRIVER_ENV_SUFFIXES = ("_VISIBLE_DEVICES",)
-_DRIVER_ENV_SKIP = frozenset({GROUP_NAME_ENV})
-
-
 def unwrap_ray_remote(cls: Any) -> tuple[type, dict[str, Any]]:
     """The user's class behind a ``@ray.remote`` class, and the Ray options it was given
     that a group keeps (``runtime_env``, ``max_concurrency``); ``(cls, {})`` for a plain
@@ -82,19 +74,10 @@ def unwrap_ray_remote(cls: Any) -> tuple[type, dict[str, Any]]:
     return original, {k: options[k] for k in _KEPT_CLASS_OPTIONS if options.get(k) is not None}
 
 
-def driver_env(exclude: Mapping[str, str] = (), environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The launching process's environment, as NeMo-RL passes it to its workers:
-    without Ray's ``RAY_*`` variables, the ``*_VISIBLE_DEVICES`` and the keys of
-    ``exclude`` (rlcomm's identity variables, which it sets itself)."""
-    environ = os.environ if environ is None else environ
-    return {
-        k: v
-        for k, v in environ.items()
-        if k not in exclude
-        and k not in _DRIVER_ENV_SKIP
-        and not k.startswith(_DRIVER_ENV_PREFIXES)
-        and not k.endswith(_DRIVER_ENV_SUFFIXES)
-    }
+#: The launching process's environment, as NeMo-RL passes it to its workers (without
+#: Ray's ``RAY_*`` variables, the ``*_VISIBLE_DEVICES`` and rlcomm's identity variables);
+#: channel workers get the same (:func:`rlcomm.comm.process.inherited_env`).
+driver_env = inherited_env
 
 
 def merge_options(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
