@@ -14,15 +14,16 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-from rlcomm.single_controller.ray_worker_group import RayClassWithInitArgs
+from rlcomm.single_controller.class_with_init import RayClassWithInitArgs
 from rlcomm.worker.actor import public_methods
 from rlcomm.worker.configure import CONFIGURE_HOOK, unwrap_ray_remote
+from rlcomm.worker.group import WorkerGroup
 from rlcomm.worker.worker import Worker
 
-if TYPE_CHECKING:
-    from rlcomm.single_controller.ray_worker_group import RayWorkerGroup
+#: A group whose class came from :func:`create_colocated_worker_cls` (a ``RayWorkerGroup``).
+G = TypeVar("G", bound=WorkerGroup)
 
 __all__ = ["create_colocated_worker_cls", "spawn_roles"]
 
@@ -100,7 +101,7 @@ def create_colocated_worker_cls(class_dict: Mapping[str, RayClassWithInitArgs]) 
     return RayClassWithInitArgs(combined)
 
 
-def spawn_roles(group: RayWorkerGroup, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
+def spawn_roles(group: G, prefix_set: Iterable[str]) -> dict[str, G]:
     """``group.spawn(prefix_set)``: per role, a view of ``group`` (same workers) whose
     attribute ``m`` is the combined group's ``<role>_m``. Shutting a view down ends the
     shared workers; the combined group holds the place on the resource pool.

@@ -19,6 +19,8 @@ from rlcomm.comm.identity import actor_name
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import NodeSpec, Placement, PlacementStrategy
 from rlcomm.settings import GROUP_NAME_ENV
+from rlcomm.single_controller.class_with_init import RayClassWithInitArgs
+from rlcomm.single_controller.colocated import spawn_roles
 from rlcomm.single_controller.decorator import dispatch_spec_of
 from rlcomm.single_controller.dispatched_call import DispatchedMethod
 from rlcomm.single_controller.resource_pool import RayResourcePool
@@ -44,24 +46,6 @@ PROTECTED_WORKER_ENV = frozenset({
 
 #: ``device_name=`` values verl passes; on a CPU pool every one of them means CPU.
 _DEVICE_NAMES = ("cuda", "cpu", "npu", "gpu")
-
-
-class RayClassWithInitArgs:
-    """A worker class and the arguments of its ``__init__`` (verl's spelling).
-
-    Args:
-        cls: a :class:`~rlcomm.Worker` subclass, plain or wrapped in ``@ray.remote``.
-        *args: passed to every rank's ``__init__``.
-        **kwargs: passed to every rank's ``__init__``.
-    """
-
-    def __init__(self, cls: type, *args: Any, **kwargs: Any):
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
-
-    def __repr__(self) -> str:
-        return f"RayClassWithInitArgs({getattr(self.cls, '__name__', self.cls)!r})"
 
 
 class _FixedPlacements(PlacementStrategy):
@@ -371,8 +355,6 @@ class RayWorkerGroup(WorkerGroup):
         Raises:
             ValueError: this group's class is not colocated, or a prefix is not a role.
         """
-        from rlcomm.single_controller.colocated import spawn_roles
-
         return spawn_roles(self, prefix_set)
 
     def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
