@@ -125,15 +125,37 @@ class RlcommTimeoutError(RlcommError, TimeoutError):
 
 
 class CommError(RlcommError):
-    """A point-to-point or broadcast operation failed."""
+    """A point-to-point or broadcast operation failed.
+
+    Errors are told apart by their class; who and what failed are fields, not only
+    text in the message (which names them too).
+
+    Args:
+        *args: the message, as for any exception.
+        peer: the other end: its :class:`~rlcomm.WorkerAddress` (or that address's
+            text, ``"group:0"``); ``None`` where no single peer is to blame.
+        op: the operation that failed (``"send"``, ``"recv"``, ``"broadcast"``,
+            ``"connect"``, ...); ``None`` where unknown.
+
+    Attributes:
+        peer: as given (``None`` by default).
+        op: as given (``None`` by default).
+    """
+
+    def __init__(self, *args: object, peer: object = None, op: str | None = None):
+        super().__init__(*args)
+        self.peer = peer
+        self.op = op
 
 
 class CommTimeoutError(CommError, RlcommTimeoutError):
-    """A communication op did not complete within its timeout."""
+    """A communication op did not complete within its timeout (``peer`` names the
+    peer waited for, ``op`` the op)."""
 
 
 class PeerLostError(CommError):
-    """The peer process of a communication died or closed its connection."""
+    """The peer process of a communication died or closed its connection (``peer``
+    names it, ``op`` what was under way)."""
 
 
 class AuthenticationError(CommError):
