@@ -1,4 +1,9 @@
-"""``AsyncWork``: the handle of an operation started with ``async_op=True``."""
+"""``AsyncWork``: the one handle of every asynchronous result in rlcomm.
+
+A point-to-point op started with ``async_op=True``, a channel op, and a method call on
+a worker group all return one (the group's handles, :class:`~rlcomm.GroupResult`,
+``MultiWorkerFuture`` and ``DispatchFuture``, are thin adapters with their seed names).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,11 @@ from typing import Any
 from rlcomm.errors import CommTimeoutError
 
 
+def _raised_by_op(future: concurrent.futures.Future, exc: BaseException) -> bool:
+    """Whether ``exc`` (a TimeoutError) is the op's own error rather than the wait's."""
+    return future.done() and not future.cancelled() and future.exception() is exc
+
+
 class AsyncWork:
     """A running op: ``wait()`` blocks for its result, ``async_wait()`` awaits it.
 
@@ -18,21 +28,35 @@ class AsyncWork:
     mismatch) are raised by ``wait`` / ``async_wait``. ``async_wait`` never blocks the
     event-loop thread and works under the default loop and under uvloop.
 
+    Adapters that have no future until someone waits (a group call's results are not
+    fetched unless asked for) override :meth:`_result_future`; their timeout error is
+    :meth:`_timeout_error`.
+
     Args:
-        future: completes with the op's result.
+        future: completes with the op's result (``None`` only in an adapter that
+            overrides :meth:`_result_future`).
         description: names the op and the peer, for timeout messages.
         timeout: default seconds for ``wait`` when none is given.
     """
 
     def __init__(
         self,
-        future: concurrent.futures.Future,
+        future: concurrent.futures.Future | None,
         description: str = "op",
         timeout: float | None = None,
     ):
         self._future = future
         self._description = description
         self._timeout = timeout
+
+    def _result_future(self) -> concurrent.futures.Future:
+        """The future of the op's result (an adapter may make it on first use)."""
+        assert self._future is not None, "AsyncWork without a future"
+        return self._future
+
+    def _timeout_error(self, timeout: float | None) -> Exception:
+        """What ``wait`` raises when the op is not done within ``timeout`` seconds."""
+        return CommTimeoutError(f"{self._description} did not complete within {timeout}s")
 
     @classmethod
     def completed(cls, value: Any = None, description: str = "op") -> AsyncWork:
@@ -64,31 +88,29 @@ class AsyncWork:
             Exception: whatever the op raised.
         """
         timeout = self._resolve_timeout(timeout)
+        future = self._result_future()
         try:
-            return self._future.result(timeout=timeout)
-        except CommTimeoutError:  # raised by the op itself (a TimeoutError too, since 3.11)
-            raise
-        except concurrent.futures.TimeoutError:
-            raise CommTimeoutError(
-                f"{self._description} did not complete within {timeout}s"
-            ) from None
+            return future.result(timeout=timeout)
+        except (concurrent.futures.TimeoutError, TimeoutError) as exc:
+            if _raised_by_op(future, exc):
+                raise
+            raise self._timeout_error(timeout) from None
 
     def done(self) -> bool:
         """True once the op finished, successfully or not."""
-        return self._future.done()
+        return self._result_future().done()
 
     async def async_wait(self, timeout: float | None = None) -> Any:
         """Await the op's result from asyncio (see :meth:`wait`)."""
         timeout = self._resolve_timeout(timeout)
+        future = self._result_future()
         try:
             # shield: a timed-out await must not cancel an op still queued behind others.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
-        except CommTimeoutError:
-            raise
-        except asyncio.TimeoutError:
-            raise CommTimeoutError(
-                f"{self._description} did not complete within {timeout}s"
-            ) from None
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            if _raised_by_op(future, exc):
+                raise
+            raise self._timeout_error(timeout) from None
 
     def __await__(self):
         return self.async_wait().__await__()
@@ -103,7 +125,7 @@ class AsyncWork:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 out.set_exception(exc)
 
-        self._future.add_done_callback(chain)
+        self._result_future().add_done_callback(chain)
         return AsyncWork(out, self._description, self._timeout)
 
     def __repr__(self) -> str:

@@ -28,7 +28,8 @@ __all__ = ["DispatchFuture", "DispatchedMethod"]
 
 
 class DispatchFuture(list):
-    """The pending result of a non-blocking ``@register`` call.
+    """The pending result of a non-blocking ``@register`` call: an adapter over the
+    :class:`~rlcomm.AsyncWork` of the call (``get()``/``wait()``, ``done()``, ``await``).
 
     It is what verl returns too: a list of Ray ``ObjectRef`` objects, one per rank that
     returns output (every called rank; for mesh modes the collecting ranks), so
@@ -66,6 +67,8 @@ class DispatchFuture(list):
         self._layout = layout
         self._done = False
         self._result: Any = None
+        #: The waiting: one AsyncWork over every called rank's result.
+        self._work = GroupResult(group._name, method, ranks, data_refs)
         super().__init__(
             data_refs if layout is None else [data_refs[i] for i in self._collect_positions()]
         )
@@ -100,8 +103,8 @@ class DispatchFuture(list):
         return LazyChunk(parts, lengths, self.pad, index, num_chunks, pad, self.where)
 
     def done(self) -> bool:
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
+        """True once every called rank has finished (fetches nothing)."""
+        return self._work.done()
 
     def get(self, timeout: float | None = None) -> Any:
         """Wait for every rank, then collect (and strip padding).
@@ -112,7 +115,20 @@ class DispatchFuture(list):
         """
         if self._done:
             return self._result
-        outputs = GroupResult(self._group._name, self.method, self.ranks, self.refs).wait(timeout)
+        return self._collect(self._work.wait(timeout))
+
+    wait = get
+
+    async def async_wait(self, timeout: float | None = None) -> Any:
+        """Like :meth:`get`, awaitable from asyncio (``await future`` works too)."""
+        if self._done:
+            return self._result
+        return self._collect(await self._work.async_wait(timeout))
+
+    def __await__(self):
+        return self.async_wait().__await__()
+
+    def _collect(self, outputs: list[Any]) -> Any:
         if self._spec.execute_mode is Execute.RANK_ZERO:
             out = outputs[0]
             result = self._collect_fn(self._group, out) if self._kind == "custom" else out
@@ -122,8 +138,6 @@ class DispatchFuture(list):
             result = self._collect_fn(self._group, outputs)
         self._result, self._done = result, True
         return result
-
-    wait = get
 
     def __repr__(self) -> str:
         return f"DispatchFuture({self.where})"

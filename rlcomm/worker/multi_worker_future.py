@@ -2,7 +2,8 @@
 
 NeMo-RL's container: ``run_all_workers_sharded_data`` returns one, and
 ``get_all_worker_results`` (or :meth:`MultiWorkerFuture.get_results`) reads it, returning
-results only from ``return_from_workers`` and once per tied worker group.
+results only from ``return_from_workers`` and once per tied worker group. Its waiting is a
+:class:`~rlcomm.GroupResult`'s (an :class:`~rlcomm.AsyncWork`) over the chosen futures.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import ray
 
-from rlcomm.errors import RlcommTimeoutError
+from rlcomm.worker.result import GroupResult, call_error
 
 __all__ = ["MultiWorkerFuture"]
 
@@ -51,8 +52,6 @@ class MultiWorkerFuture:
             WorkerCallError: a worker raised or died.
             RlcommTimeoutError: not done in time.
         """
-        from rlcomm.worker.result import GroupResult, default_call_timeout
-
         called = self.called_workers or list(range(len(self.futures)))
         wanted = None if self.return_from_workers is None else set(self.return_from_workers)
         tied_of = worker_group.worker_to_tied_group_index
@@ -66,21 +65,19 @@ class MultiWorkerFuture:
                 continue
             seen.add(group)
             chosen.append((worker, fut))
-        timeout = default_call_timeout() if timeout is None else timeout
+        name = worker_group.worker_group_name
         plain = [(w, f) for w, f in chosen if not isinstance(f, ray.ObjectRefGenerator)]
-        ready, _ = ray.wait([f for _, f in plain], num_returns=len(plain), timeout=timeout)
-        if len(ready) < len(plain):
-            raise RlcommTimeoutError(
-                f"{worker_group.worker_group_name}.{self.method}(): not done after {timeout}s"
-            )
-        handle = GroupResult(worker_group.worker_group_name, self.method, [], [])
+        values = iter(GroupResult(name, self.method, [w for w, _ in plain], [f for _, f in plain])
+                      .wait(timeout))
         results = []
         for worker, fut in chosen:
-            try:
-                if isinstance(fut, ray.ObjectRefGenerator):
-                    results.append(fut if return_generators_as_proxies else [ray.get(r) for r in fut])
-                else:
-                    results.append(ray.get(fut))
-            except ray.exceptions.RayError as exc:
-                raise handle._error(worker, exc) from None
+            if not isinstance(fut, ray.ObjectRefGenerator):
+                results.append(next(values))
+            elif return_generators_as_proxies:
+                results.append(fut)
+            else:
+                try:
+                    results.append([ray.get(r) for r in fut])
+                except ray.exceptions.RayError as exc:
+                    raise call_error(name, self.method, worker, exc) from None
         return results

@@ -1,15 +1,18 @@
-"""``GroupResult``: the handle of a method call on some ranks of a worker group."""
+"""``GroupResult``: the handle of a method call on some ranks of a worker group, an
+:class:`~rlcomm.AsyncWork` over the calls' Ray object refs; and how a failed call becomes
+a :class:`~rlcomm.WorkerCallError` (:func:`call_error`)."""
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import re
-import time
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
+from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import RlcommTimeoutError, WorkerCallError, worker_call_error
 from rlcomm.settings import get_settings
 
@@ -53,38 +56,104 @@ def default_call_timeout() -> float:
     return get_settings().call_timeout
 
 
-class GroupResult:
-    """The handle of a call on some ranks of a group.
+def call_error(group_name: str, method: str, rank: int, exc: BaseException) -> WorkerCallError:
+    """The :class:`WorkerCallError` for what Ray raised for ``rank``'s call of ``method``:
+    the remote exception (as its own class too, where it came back), or the actor's
+    death."""
+    if isinstance(exc, WorkerCallError):
+        return exc
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        if isinstance(exc.cause, WorkerCallError):
+            return exc.cause
+        cause = exc.cause
+        if not isinstance(cause, Exception) or type(cause) is ray.exceptions.RayError:
+            cause = None  # Ray could not bring the remote exception back
+        text = trim_traceback(getattr(exc, "traceback_str", None) or str(exc))
+        return worker_call_error(group_name, rank, method, text, cause)
+    if isinstance(exc, ray.exceptions.RayActorError):
+        text = f"the worker's actor died: {strip_ansi(str(exc))}"
+    else:  # e.g. a remote exception that does not unpickle here
+        text = trim_traceback(f"{type(exc).__name__}: {exc}")
+    return WorkerCallError(group_name, rank, method, text)
+
+
+def gather_calls(
+    group_name: str, method: str, ranks: Sequence[int], refs: Sequence[Any]
+) -> concurrent.futures.Future:
+    """One future of the results of ``refs`` (Ray object refs of one call on ``ranks``),
+    ordered like the ranks. It completes once every call has finished; if any raised,
+    it fails with the :func:`call_error` of the first such rank (in rank order)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    parts = [ref.future() for ref in refs]
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        results = []
+        for rank, part in zip(ranks, parts, strict=True):
+            exc = part.exception()
+            if exc is not None:
+                out.set_exception(call_error(group_name, method, rank, exc))
+                return
+            results.append(part.result())
+        out.set_result(results)
+
+    def one_done(_part: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            finish()
+
+    if not parts:
+        out.set_result([])
+    for part in parts:
+        part.add_done_callback(one_done)
+    return out
+
+
+class GroupResult(AsyncWork):
+    """The handle of a call on some ranks of a group: an :class:`~rlcomm.AsyncWork` whose
+    result is the list of the ranks' results.
 
     ``wait()`` returns the results ordered like the ranks; ``done()`` polls;
     ``await handle`` or ``await handle.async_wait()`` waits from asyncio without blocking
     the event loop. A rank that raised makes ``wait`` raise :class:`WorkerCallError`
     naming the group, rank and method, with the remote traceback; it is also an instance
     of the remote exception's class (``except ValueError`` catches a remote
-    ``ValueError``).
+    ``ValueError``). Results are fetched only once someone waits for them (``refs`` may
+    be passed on to other calls unfetched).
+
+    Attributes:
+        group_name: the called group.
+        method: the called method.
+        ranks: the called ranks, in order.
+        refs: the Ray object ref of each rank's result.
     """
 
     def __init__(self, group_name: str, method: str, ranks: Sequence[int], refs: Sequence[Any]):
+        super().__init__(None, f"{group_name}.{method}()")
         self.group_name = group_name
         self.method = method
         self.ranks = list(ranks)
         self.refs = list(refs)
+        self._lock = threading.Lock()
 
-    def _error(self, rank: int, exc: BaseException) -> WorkerCallError:
-        if isinstance(exc, ray.exceptions.RayTaskError):
-            if isinstance(exc.cause, WorkerCallError):
-                return exc.cause
-            cause = exc.cause
-            if not isinstance(cause, Exception) or type(cause) is ray.exceptions.RayError:
-                cause = None  # Ray could not bring the remote exception back
-            return worker_call_error(
-                self.group_name, rank, self.method, trim_traceback(getattr(exc, "traceback_str", None) or str(exc)), cause
-            )
-        if isinstance(exc, ray.exceptions.RayActorError):
-            text = f"the worker's actor died: {strip_ansi(str(exc))}"
-        else:  # e.g. a remote exception that does not unpickle here
-            text = trim_traceback(f"{type(exc).__name__}: {exc}")
-        return WorkerCallError(self.group_name, rank, self.method, text)
+    def _resolve_timeout(self, timeout: float | None) -> float | None:
+        return default_call_timeout() if timeout is None else timeout
+
+    def _result_future(self) -> concurrent.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._future = gather_calls(self.group_name, self.method, self.ranks, self.refs)
+            return self._future
+
+    def _timeout_error(self, timeout: float | None) -> Exception:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        pending = [r for r, ref in zip(self.ranks, self.refs, strict=True) if ref not in ready]
+        return RlcommTimeoutError(
+            f"{self.group_name}.{self.method}(): ranks {pending} not done after {timeout}s"
+        )
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         """The results, ordered like the ranks.
@@ -96,45 +165,14 @@ class GroupResult:
             WorkerCallError: a rank raised or its actor died.
             RlcommTimeoutError: the results were not all ready in time.
         """
-        timeout = default_call_timeout() if timeout is None else timeout
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
-        if len(ready) < len(self.refs):
-            pending = [r for r, ref in zip(self.ranks, self.refs, strict=True) if ref not in ready]
-            raise RlcommTimeoutError(
-                f"{self.group_name}.{self.method}(): ranks {pending} not done after {timeout}s"
-            )
-        results = []
-        for rank, ref in zip(self.ranks, self.refs, strict=True):
-            try:
-                results.append(ray.get(ref))
-            except ray.exceptions.RayError as exc:
-                raise self._error(rank, exc) from None
-        return results
+        return super().wait(timeout)
 
     def done(self) -> bool:
-        """True once every rank has finished (successfully or not)."""
+        """True once every rank has finished (successfully or not); fetches nothing."""
+        if self._future is not None:
+            return self._future.done()
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
         return len(ready) == len(self.refs)
-
-    async def async_wait(self, timeout: float | None = None) -> list[Any]:
-        """Like :meth:`wait`, awaitable from asyncio (default loop or uvloop)."""
-        timeout = default_call_timeout() if timeout is None else timeout
-        results = []
-        deadline = time.monotonic() + timeout
-        for rank, ref in zip(self.ranks, self.refs, strict=True):
-            try:
-                remaining = max(0.0, deadline - time.monotonic())
-                results.append(await asyncio.wait_for(asyncio.wrap_future(ref.future()), remaining))
-            except asyncio.TimeoutError:
-                raise RlcommTimeoutError(
-                    f"{self.group_name}.{self.method}(): rank {rank} not done after {timeout}s"
-                ) from None
-            except ray.exceptions.RayError as exc:
-                raise self._error(rank, exc) from None
-        return results
-
-    def __await__(self):
-        return self.async_wait().__await__()
 
     def __repr__(self) -> str:
         return f"GroupResult({self.group_name}.{self.method}, ranks={self.ranks})"
