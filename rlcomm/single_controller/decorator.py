@@ -1,39 +1,6 @@
 """verl's ``@register``: a worker method becomes a worker-group method that dispatches,
-runs and collects.
-
-Built-in dispatch modes (``Dispatch.X``):
-
-==================  ===============================================  =============================
-mode                dispatch                                         collect
-==================  ===============================================  =============================
-ONE_TO_ALL          every argument to every rank                     list of outputs, by rank
-ALL_TO_ALL          each argument is a list, element ``i`` to rank i list of outputs, by rank
-DP_COMPUTE          batches split along dim 0 over the ranks         outputs concatenated
-DP_COMPUTE_PROTO    the same, for batch objects (``chunk``/``concat``) outputs concatenated
-DP_COMPUTE_METRIC   split like DP_COMPUTE                            list of outputs, by rank
-==================  ===============================================  =============================
-
-Batches are lists, tuples, tensors, arrays, dicts of those, and objects with ``chunk(n)``
-and ``concat(list)`` (see :mod:`rlcomm.worker.dispatch`); other arguments go whole to
-every rank. Batches that do not divide are split unevenly (10 over 3 ranks: 4, 3, 3), or
-padded with ``register(..., pad=True)``; padding is always stripped from the result.
-
-The 3D modes of HybridFlow (3D_PROTO, 3D_ALL_MICRO_DP, 3D_PP_ONLY) are, as in current
-verl, mesh dispatches made by :func:`make_nd_compute_dispatch_fn`: each worker registers
-per mesh name its data-parallel index and whether it returns output
-(``self._register_dispatch_collect_info(mesh, dp_rank, is_collect)``):
-
-- 3D_PROTO: ``dp_rank`` = the worker's dp coordinate, ``is_collect`` = tp == 0 and pp
-  is the last stage;
-- 3D_ALL_MICRO_DP: ``dp_rank`` = the worker's micro-dp group, ``is_collect`` = it is
-  local rank 0 of that group;
-- 3D_PP_ONLY: ``dp_rank`` = 0 everywhere (broadcast), ``is_collect`` = tp == 0 and
-  dp == 0 (one output per pipeline stage).
-
-A dict ``{"dispatch_fn": f, "collect_fn": g}`` gives a custom mode, with verl's
-signatures ``f(worker_group, *args, **kwargs) -> (args, kwargs)`` (each argument a list
-with one entry per rank) and ``g(worker_group, outputs) -> result``;
-:func:`register_dispatch_mode` names one for reuse.
+runs and collects, by one of the modes of :mod:`~rlcomm.single_controller.dispatch_modes`
+(whose names this module re-exports, at verl's import path).
 """
 
 from __future__ import annotations
@@ -42,12 +9,32 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from rlcomm.single_controller.dispatch_modes import (
+    MODE_TABLE,
+    Dispatch,
+    DispatchMode,
+    Execute,
+    NdDispatch,
+    UnknownDispatchModeError,
+    collect_all_to_all,
+    collect_dp_compute,
+    collect_dp_compute_data_proto,
+    collect_nd_compute,
+    dispatch_all_to_all,
+    dispatch_dp_compute,
+    dispatch_dp_compute_data_proto,
+    dispatch_nd_compute,
+    dispatch_one_to_all,
+    get_predefined_dispatch_fn,
+    make_nd_compute_dataproto_dispatch_fn,
+    make_nd_compute_dispatch_fn,
+    register_dispatch_mode,
+    update_dispatch_mode,
+)
 from rlcomm.single_controller.lazy_chunk import resolve_lazy, resolve_lazy_async
 from rlcomm.worker.batch import batch_len
-from rlcomm.worker.dispatch import collect_batches, split_call_args
 
 __all__ = [
     "Dispatch",
@@ -81,225 +68,6 @@ DEPENDENCY_KW_PREFIX = "_rlcomm_dep_"
 USER_SIGNATURE_ATTR = "_rlcomm_user_signature"
 
 
-class DispatchMode:
-    """A named dispatch mode (the values of :class:`Dispatch`)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"Dispatch.{self.name}"
-
-    def __reduce__(self) -> tuple:
-        # Unpickle as the mode of that name in the receiving process (the registry is
-        # keyed by identity), as verl's DynamicEnum does.
-        return (_mode_named, (self.name,))
-
-
-def _mode_named(name: str) -> DispatchMode:
-    mode = getattr(Dispatch, name, None)
-    return mode if isinstance(mode, DispatchMode) else DispatchMode(name)
-
-
-class Dispatch:
-    """The dispatch modes by name; :func:`register_dispatch_mode` adds more and
-    :meth:`remove` takes an added one away again (verl's ``Dispatch.remove``)."""
-
-    ONE_TO_ALL = DispatchMode("ONE_TO_ALL")
-    ALL_TO_ALL = DispatchMode("ALL_TO_ALL")
-    DP_COMPUTE = DispatchMode("DP_COMPUTE")
-    DP_COMPUTE_PROTO = DispatchMode("DP_COMPUTE_PROTO")
-    DP_COMPUTE_METRIC = DispatchMode("DP_COMPUTE_METRIC")
-
-    @classmethod
-    def remove(cls, name: str) -> DispatchMode:
-        """Remove a mode added with :func:`register_dispatch_mode`; returns it.
-
-        Raises:
-            KeyError: no added mode of that name (built-in modes cannot be removed).
-        """
-        mode = cls.__dict__.get(name)
-        if not isinstance(mode, DispatchMode) or mode.name in _BUILTIN_MODES:
-            raise KeyError(f"Dispatch.remove: {name!r} is not a mode added by register_dispatch_mode")
-        delattr(cls, name)
-        _MODES.pop(mode, None)
-        return mode
-
-
-_BUILTIN_MODES = frozenset(
-    name for name, value in vars(Dispatch).items() if isinstance(value, DispatchMode)
-)
-
-
-class Execute(Enum):
-    """Where a registered method runs: on every rank, or on rank 0 only."""
-
-    ALL = "ALL"
-    RANK_ZERO = "RANK_ZERO"
-
-
-# -- built-in dispatch and collect functions (verl signatures) -----------------------------
-
-
-def _transpose(world: int, per_rank_args: list[tuple], per_rank_kwargs: list[dict]) -> tuple[tuple, dict]:
-    n_args = len(per_rank_args[0]) if per_rank_args else 0
-    args = tuple([per_rank_args[r][i] for r in range(world)] for i in range(n_args))
-    keys = per_rank_kwargs[0].keys() if per_rank_kwargs else ()
-    kwargs = {k: [per_rank_kwargs[r][k] for r in range(world)] for k in keys}
-    return args, kwargs
-
-
-def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-    """Every argument repeated once per rank."""
-    n = worker_group.world_size
-    return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
-
-
-def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-    """The arguments unchanged: each is already a list with one entry per rank."""
-    return args, kwargs
-
-
-def collect_all_to_all(worker_group: Any, output: Any) -> Any:
-    """The outputs unchanged: a list with one entry per rank."""
-    return output
-
-
-def dispatch_dp_compute(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-    """Batches split along dim 0 over the ranks (unevenly if needed), other values copied."""
-    n = worker_group.world_size
-    per_args, per_kwargs, _ = split_call_args(args, kwargs, n, where="dispatch_dp_compute")
-    return _transpose(n, per_args, per_kwargs)
-
-
-def collect_dp_compute(worker_group: Any, output: Any) -> Any:
-    """The per-rank outputs concatenated (a list when they are not batches)."""
-    return collect_batches(output)
-
-
-dispatch_dp_compute_data_proto = dispatch_dp_compute
-collect_dp_compute_data_proto = collect_dp_compute
-
-
-def dispatch_nd_compute(
-    dp_rank_mapping: list[int], dp_size: int, worker_group: Any, *args: Any, **kwargs: Any
-) -> tuple[tuple, dict]:
-    """Batches split into ``dp_size`` chunks; rank ``r`` gets chunk ``dp_rank_mapping[r]``."""
-    per_args, per_kwargs, _ = split_call_args(args, kwargs, dp_size, where="dispatch_nd_compute")
-    world = len(dp_rank_mapping)
-    return _transpose(
-        world,
-        [per_args[dp_rank_mapping[r]] for r in range(world)],
-        [per_kwargs[dp_rank_mapping[r]] for r in range(world)],
-    )
-
-
-def collect_nd_compute(collect_mask: list[bool], worker_group: Any, output: Any) -> Any:
-    """The outputs of the ranks with ``collect_mask[r]``, concatenated."""
-    return collect_batches([o for o, keep in zip(output, collect_mask, strict=True) if keep])
-
-
-class _NdDispatch:
-    """Mesh dispatch for one mesh name (the ``dispatch_fn`` of an nd mode)."""
-
-    def __init__(self, mesh_name: str):
-        self.mesh_name = mesh_name
-
-    def __call__(self, worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
-        layout = worker_group._mesh_layout(self.mesh_name)
-        return dispatch_nd_compute(list(layout.dp_rank_of), layout.dp_size, worker_group, *args, **kwargs)
-
-
-class _NdCollect:
-    """Mesh collect for one mesh name (the ``collect_fn`` of an nd mode)."""
-
-    def __init__(self, mesh_name: str):
-        self.mesh_name = mesh_name
-
-    def __call__(self, worker_group: Any, output: Any) -> Any:
-        layout = worker_group._mesh_layout(self.mesh_name)
-        return collect_batches([output[r] for r in layout.collect_ranks])
-
-
-def make_nd_compute_dispatch_fn(mesh_name: str) -> dict[str, Callable]:
-    """The dispatch mode of mesh ``mesh_name`` (verl's ``make_nd_compute_dataproto_dispatch_fn``).
-
-    Batches are split into one chunk per data-parallel index; each chunk is put into the
-    object store once and sent to every rank that registered that index; outputs come
-    back from the ranks registered with ``is_collect=True``, ordered by dp index, and are
-    concatenated. Workers register with
-    ``self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect)``.
-    """
-    return {"dispatch_fn": _NdDispatch(mesh_name), "collect_fn": _NdCollect(mesh_name)}
-
-
-make_nd_compute_dataproto_dispatch_fn = make_nd_compute_dispatch_fn
-
-
-@dataclass
-class _ModeEntry:
-    dispatch_fn: Callable
-    collect_fn: Callable
-    kind: str  # one_to_all | all_to_all | dp | dp_metric | custom
-
-
-_MODES: dict[DispatchMode, _ModeEntry] = {
-    Dispatch.ONE_TO_ALL: _ModeEntry(dispatch_one_to_all, collect_all_to_all, "one_to_all"),
-    Dispatch.ALL_TO_ALL: _ModeEntry(dispatch_all_to_all, collect_all_to_all, "all_to_all"),
-    Dispatch.DP_COMPUTE: _ModeEntry(dispatch_dp_compute, collect_dp_compute, "dp"),
-    Dispatch.DP_COMPUTE_PROTO: _ModeEntry(
-        dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, "dp"
-    ),
-    Dispatch.DP_COMPUTE_METRIC: _ModeEntry(dispatch_dp_compute, collect_all_to_all, "dp_metric"),
-}
-
-
-def get_predefined_dispatch_fn(dispatch_mode: DispatchMode) -> dict[str, Callable]:
-    """``{"dispatch_fn": ..., "collect_fn": ...}`` of a named mode.
-
-    Raises:
-        KeyError: an unknown mode.
-    """
-    entry = _MODES[dispatch_mode]
-    return {"dispatch_fn": entry.dispatch_fn, "collect_fn": entry.collect_fn}
-
-
-def register_dispatch_mode(dispatch_mode_name: str, dispatch_fn: Callable, collect_fn: Callable) -> DispatchMode:
-    """Add a named mode ``Dispatch.<dispatch_mode_name>`` with these functions.
-
-    Raises:
-        ValueError: the name is taken or not an identifier.
-    """
-    if not dispatch_mode_name.isidentifier() or hasattr(Dispatch, dispatch_mode_name):
-        raise ValueError(f"register_dispatch_mode: {dispatch_mode_name!r} is taken or not an identifier")
-    mode = DispatchMode(dispatch_mode_name)
-    setattr(Dispatch, dispatch_mode_name, mode)
-    _MODES[mode] = _ModeEntry(dispatch_fn, collect_fn, "custom")
-    return mode
-
-
-class UnknownDispatchModeError(KeyError, AssertionError):
-    """``update_dispatch_mode`` of a mode that was never registered: a ``KeyError``, and
-    the ``AssertionError`` verl raises there."""
-
-
-def update_dispatch_mode(dispatch_mode: DispatchMode, dispatch_fn: Callable, collect_fn: Callable) -> None:
-    """Replace the functions of an existing named mode.
-
-    Raises:
-        UnknownDispatchModeError: an unknown mode (a ``KeyError`` and an
-            ``AssertionError``, as in verl).
-    """
-    if dispatch_mode not in _MODES:
-        raise UnknownDispatchModeError(f"update_dispatch_mode: unknown mode {dispatch_mode!r}")
-    _MODES[dispatch_mode] = _ModeEntry(dispatch_fn, collect_fn, "custom")
-
-
-# -- the decorator -------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class DispatchSpec:
     """What ``@register`` recorded on a method."""
@@ -314,17 +82,17 @@ class DispatchSpec:
         if isinstance(self.dispatch_mode, DispatchMode):
             return self.dispatch_mode.name
         fn = self.dispatch_mode["dispatch_fn"]
-        if isinstance(fn, _NdDispatch):
+        if isinstance(fn, NdDispatch):
             return f"nd mesh {fn.mesh_name!r}"
         return f"custom {getattr(fn, '__name__', type(fn).__name__)}"
 
     def resolve(self) -> tuple[str, Callable, Callable, str | None]:
         """``(kind, dispatch_fn, collect_fn, mesh_name)``, looked up now."""
         if isinstance(self.dispatch_mode, DispatchMode):
-            entry = _MODES[self.dispatch_mode]
+            entry = MODE_TABLE[self.dispatch_mode]
             return entry.kind, entry.dispatch_fn, entry.collect_fn, None
         fn, collect = self.dispatch_mode["dispatch_fn"], self.dispatch_mode["collect_fn"]
-        if isinstance(fn, _NdDispatch):
+        if isinstance(fn, NdDispatch):
             return "nd", fn, collect, fn.mesh_name
         return "custom", fn, collect, None
 
@@ -369,7 +137,7 @@ def register(
                 "register: a custom dispatch_mode must be {'dispatch_fn': f, 'collect_fn': g} "
                 f"with callables, got {dispatch_mode!r}"
             )
-    elif not isinstance(dispatch_mode, DispatchMode) or dispatch_mode not in _MODES:
+    elif not isinstance(dispatch_mode, DispatchMode) or dispatch_mode not in MODE_TABLE:
         raise TypeError(f"register: unknown dispatch_mode {dispatch_mode!r}; use a Dispatch.X mode or a dict")
     if not isinstance(execute_mode, Execute):
         raise TypeError(f"register: execute_mode must be Execute.ALL or Execute.RANK_ZERO, got {execute_mode!r}")

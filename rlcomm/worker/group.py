@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster, connect_ray
 from rlcomm.comm.identity import actor_name, check_group_name, registry
@@ -22,21 +21,16 @@ from rlcomm.placement import (
     Placement,
     PlacementStrategy,
 )
-from rlcomm.settings import get_settings, live_changes
+from rlcomm.settings import get_settings
 from rlcomm.worker.actor import (
-    WorkerContext,
     catch_failure_default,
-    find_free_port,
-    free_port_on_node,
-    make_actor_class,
     public_methods,
 )
 from rlcomm.worker.configure import (
     CONFIGURE_HOOK,
-    driver_env,
-    resolve_worker_options,
     unwrap_ray_remote,
 )
+from rlcomm.worker.launch import check_launch_args, start_actors
 from rlcomm.worker.result import GroupResult
 from rlcomm.worker.sharded_calls import ShardedCallsMixin
 from rlcomm.worker.sharding import NamedSharding
@@ -45,36 +39,6 @@ from rlcomm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 W = TypeVar("W", bound=Worker)
-
-def _check_launch_args(cluster: object, placement_strategy: object, name: object,
-                       max_concurrency: object, env_vars: object) -> None:
-    if not isinstance(cluster, Cluster):
-        hint = ""
-        if isinstance(cluster, PlacementStrategy):
-            hint = "; the placement strategy goes second: launch(cluster, placement_strategy)"
-        elif cluster is None:
-            hint = "; make one with Cluster(num_nodes=1) (it attaches to or starts Ray)"
-        raise TypeError(f"launch: the first argument must be an rlcomm.Cluster, got "
-                        f"{type(cluster).__name__} {cluster!r}{hint}")
-    if placement_strategy is not None and not isinstance(placement_strategy, PlacementStrategy):
-        raise TypeError(
-            "launch: placement_strategy must be a PlacementStrategy (PackedPlacementStrategy, "
-            "FlexiblePlacementStrategy, NodePlacementStrategy) or None, got "
-            f"{type(placement_strategy).__name__} {placement_strategy!r}"
-        )
-    if name is not None:
-        check_group_name(name, "launch")
-    if max_concurrency is not None and (
-        not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool)
-        or max_concurrency < 1
-    ):
-        raise ValueError(f"launch: max_concurrency must be an int >= 1 or None, got {max_concurrency!r}")
-    if env_vars is not None and (
-        not isinstance(env_vars, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
-    ):
-        raise TypeError(f"launch: env_vars must be a dict of str to str, got {env_vars!r}")
-
 
 class _GroupMethod:
     """A worker method bound on a group (or on a one-shot rank selection)."""
@@ -230,7 +194,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         """
         if self._actors or self._shut_down:
             raise WorkerGroupError(f"group {self._name} was launched already")
-        _check_launch_args(cluster, placement_strategy, name, max_concurrency, env_vars)
+        check_launch_args(cluster, placement_strategy, name, max_concurrency, env_vars)
         methods = [m for m in public_methods(self._worker_cls) if m != CONFIGURE_HOOK]
         clashes = sorted(m for m in methods if hasattr(type(self), m))
         if clashes:
@@ -256,121 +220,32 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
                 f"a worker group named {name!r} exists already; pick another name or shut it down"
             )
         try:
-            self._start_actors(
+            started = start_actors(
+                self._worker_cls,
+                self._class_options,
+                self._args,
+                self._kwargs,
                 cluster,
                 placements,
                 name,
-                max_concurrency,
-                isolate_gpu,
-                catch_failure_default() if catch_system_failure is None else catch_system_failure,
-                disable_distributed_log,
-                env_vars or {},
+                max_concurrency=max_concurrency,
+                isolate_gpu=isolate_gpu,
+                catch_system_failure=(
+                    catch_failure_default() if catch_system_failure is None else catch_system_failure
+                ),
+                disable_distributed_log=disable_distributed_log,
+                env_vars=env_vars or {},
+                extra_env=self._extra_builder_env(),
+                bundle_indices_of=self._worker_bundle_indices,
             )
         except BaseException:
             ray.get(registry().drop_group.remote(name))
-            for actor in self._actors:
-                ray.kill(actor)
-            self._actors = []
             raise
+        self._actors, self._placements, self._name = started.actors, placements, name
+        self._master_addr, self._master_port = started.master
         self._methods = set(methods)
         self._bind_methods()
         return self
-
-    def _start_actors(
-        self,
-        cluster: Cluster,
-        placements: list[Placement],
-        name: str,
-        max_concurrency: int | None,
-        isolate_gpu: bool,
-        catch_system_failure: bool,
-        disable_distributed_log: bool,
-        env_vars: dict[str, str],
-    ) -> None:
-        master = cluster.node(placements[0].node_rank)
-        if master.node_id == ray.get_runtime_context().get_node_id():
-            master_port = find_free_port()
-        else:
-            _, master_port = ray.get(
-                free_port_on_node.options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(master.node_id, soft=False)
-                ).remote()
-            )
-        actor_cls = ray.remote(make_actor_class(self._worker_cls, catch_system_failure))
-        num_cpus = get_settings().worker_num_cpus
-        gpus_per_node = max((n.num_gpus for n in cluster.nodes), default=0)
-        actors = []
-        for p in placements:
-            node = cluster.node(p.node_rank)
-            env = {
-                "MASTER_ADDR": master.ip,
-                "MASTER_PORT": str(master_port),
-                "RANK": str(p.rank),
-                "LOCAL_RANK": str(p.local_rank),
-                "WORLD_SIZE": str(len(placements)),
-                "LOCAL_WORLD_SIZE": str(p.local_world_size),
-                "NODE_RANK": str(p.node_rank),
-                # What verl's workers read beside the above.
-                "RAY_LOCAL_WORLD_SIZE": str(p.local_world_size),
-                "WG_BACKEND": "ray",
-                **self._extra_builder_env(),
-            }
-            if isolate_gpu and p.accelerator_ids:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, p.accelerator_ids))
-            user_options: dict[str, Any] = {"num_cpus": num_cpus, **self._class_options}
-            if max_concurrency is not None:
-                user_options["max_concurrency"] = max_concurrency
-            resolved = resolve_worker_options(
-                self._worker_cls,
-                num_gpus=len(p.accelerator_ids),
-                bundle_indices=self._worker_bundle_indices(p.rank, p),
-                num_gpus_per_node=gpus_per_node,
-                user_env={**driver_env(exclude=env), **env_vars},
-                user_actor_options=user_options,
-                user_init_kwargs=self._kwargs,
-                builder_env=env,
-                builder_actor_options={
-                    "name": actor_name(name, p.rank),
-                    "namespace": RLCOMM_NAMESPACE,
-                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-                },
-                where=actor_name(name, p.rank),
-            )
-            env = resolved.env
-            ctx = WorkerContext(
-                group_name=name,
-                rank=p.rank,
-                world_size=len(placements),
-                env=env,
-                catch_system_failure=catch_system_failure,
-                disable_distributed_log=disable_distributed_log,
-                settings=live_changes(),
-            )
-            actors.append(
-                actor_cls.options(**resolved.actor_options).remote(
-                    ctx, *self._args, **resolved.init_kwargs
-                )
-            )
-        self._actors = actors
-        self._placements = placements
-        self._name = name
-        self._master_addr, self._master_port = master.ip, master_port
-        # The first call on each actor waits for its __init__ and surfaces its errors.
-        infos = GroupResult(name, "__init__", [p.rank for p in placements], [
-            a._rlcomm_node_info.remote() for a in actors
-        ]).wait(timeout=get_settings().launch_timeout)
-        ray.get(
-            registry().set_group.remote(
-                name,
-                {
-                    "worker_cls_name": self.worker_cls_name,
-                    "world_size": len(placements),
-                    "node_ranks": [p.node_rank for p in placements],
-                    "master": (master.ip, master_port),
-                    "workers": infos,
-                },
-            )
-        )
 
     def _extra_builder_env(self) -> dict[str, str]:
         """More identity variables a subclass sets on every worker (rlcomm's layer)."""

@@ -35,11 +35,15 @@ from rlcomm.comm.codec import (
     header_from_bytes,
     header_to_bytes,
 )
+from rlcomm.comm.codec import message as codec_message
+from rlcomm.comm.codec import structure as codec_structure
+from rlcomm.comm.codec import tensors as codec_tensors
+from rlcomm.comm.codec.header import _DTYPE_NAMES, _DTYPES
 from rlcomm.errors import CodecError
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-ALL_DTYPES = sorted(codec._DTYPES.items())
+ALL_DTYPES = sorted(_DTYPES.items())
 COMMON_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -94,7 +98,7 @@ def _transfer(obj: Any, piggyback: Any = None, inline: int = 0) -> tuple[Message
     assert len(tensors) == len(header.tensors)
     for meta, t in zip(header.tensors, tensors, strict=True):
         assert t.is_contiguous() and not t.requires_grad
-        assert (codec._DTYPE_NAMES[t.dtype], tuple(t.shape), t.device.type) == (
+        assert (_DTYPE_NAMES[t.dtype], tuple(t.shape), t.device.type) == (
             meta.dtype, meta.shape, meta.device)  # fmt: skip
         assert meta.nbytes == t.numel() * t.element_size()
     received = header_from_bytes(header_to_bytes(header))
@@ -292,7 +296,7 @@ def test_piggyback_comes_back_as_a_tuple(payload):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Tensors marked ``t._fake_cuda = True`` get a ``cuda`` TensorMeta (CPU-only hosts)."""
-    prepare = codec._prepare
+    prepare = codec_tensors.prepare
 
     def fake(t):
         meta, out = prepare(t)
@@ -300,7 +304,9 @@ def fake_cuda(monkeypatch):
             meta = TensorMeta(meta.dtype, meta.shape, "cuda")
         return meta, out
 
-    monkeypatch.setattr(codec, "_prepare", fake)
+    # Both users of prepare: whole messages and dataclass walking.
+    monkeypatch.setattr(codec_message, "prepare", fake)
+    monkeypatch.setattr(codec_structure, "prepare", fake)
 
     def make(*shape):
         t = torch.ones(*shape)

@@ -1,0 +1,108 @@
+"""Whole messages: :func:`encode` an object into ``(MessageHeader, tensors)`` and
+:func:`decode` it back (see :mod:`rlcomm.comm.codec` for which objects travel how)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from rlcomm.comm.codec.header import DataclassNode, DictNode, Kind, MessageHeader, TensorMeta
+from rlcomm.comm.codec.pickling import pickle_object, unpickle
+from rlcomm.comm.codec.structure import Walker, build, render
+from rlcomm.comm.codec.tensors import check_one_device, prepare
+from rlcomm.errors import CodecError
+
+
+def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.Tensor]]:
+    """Split an object into a header and the tensors to send (contiguous, header order).
+
+    Args:
+        obj: the object; see the module docstring for which kinds have tensors extracted.
+        piggyback: an optional extra object pickled into the header; ``None`` means none.
+
+    Caveats: extracted tensors travel independently (views of one storage, or one tensor
+    twice, arrive as separate copies) and arrive as plain detached tensors (an
+    ``nn.Parameter`` arrives as a ``torch.Tensor``). A dataclass that the receiver cannot
+    import as ``module:qualname`` (defined in a script or a function) travels by value.
+
+    Raises:
+        CodecError: CPU and CUDA tensors mixed, something unpicklable, a dataclass defined
+            in a function, or a tensor that is not dense, CPU or CUDA.
+    """
+    pb = None if piggyback is None else pickle_object(piggyback, "piggyback payload")
+    if isinstance(obj, torch.Tensor):
+        meta, t = prepare(obj)
+        return MessageHeader(Kind.TENSOR, [meta], None, pb), [t]
+    tp = type(obj)
+    values = obj if tp is list else obj.values() if tp is dict else None
+    if (
+        values is not None
+        and all(isinstance(v, torch.Tensor) for v in values)
+        and (tp is list or all(type(k) is str for k in obj))
+    ):
+        keys = list(obj) if tp is dict else list(range(len(obj)))
+        pairs = [prepare(v) for v in values]
+        metas = [m for m, _ in pairs]
+        check_one_device(metas, lambda i: f"obj[{keys[i]!r}]")
+        kind = Kind.TENSOR_LIST if tp is list else Kind.TENSOR_DICT
+        node = None if tp is list else DictNode(keys, list(range(len(keys))))
+        return MessageHeader(kind, metas, node, pb), [t for _, t in pairs]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        walker = Walker()
+        try:
+            node = walker.walk(obj, ("obj",), top=True)
+        except RecursionError as exc:
+            raise CodecError(f"{tp.__qualname__} is nested too deeply or cyclic") from exc
+        check_one_device(walker.metas, lambda i: render(walker.paths[i]))
+        return MessageHeader(Kind.DATACLASS, walker.metas, node, pb), walker.tensors
+    data = pickle_object(obj, "object")
+    meta = TensorMeta("uint8", (len(data),), "cpu")
+    return MessageHeader(Kind.OBJECT, [meta], None, pb), [
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    ]
+
+
+def encode_raw(tensor: torch.Tensor) -> tuple[MessageHeader, list[torch.Tensor]]:
+    """The header (kind ``RAW``) and sendable form of one tensor, for ``send_tensor``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CodecError(f"send_tensor needs a torch.Tensor, got {type(tensor).__qualname__}")
+    meta, t = prepare(tensor)
+    return MessageHeader(Kind.RAW, [meta]), [t]
+
+
+def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild the sent object from its header and the received tensors (header order).
+
+    Returns:
+        The object, or ``(object, piggyback)`` when the header carries a piggyback.
+
+    Raises:
+        CodecError: the tensors do not match the header, the structure is inconsistent, a
+            dataclass cannot be imported here, or unpickling fails.
+    """
+    kind, n = header.kind, len(header.tensors)
+    if len(tensors) != n or (n != 1 and kind in (Kind.TENSOR, Kind.RAW, Kind.OBJECT)):
+        raise CodecError(
+            f"a {Kind(kind).name} message declaring {n} tensors cannot be decoded "
+            f"with {len(tensors)} tensors"
+        )
+    if kind == Kind.TENSOR or kind == Kind.RAW:
+        obj: Any = tensors[0]
+    elif kind == Kind.TENSOR_LIST:
+        obj = list(tensors)
+    elif kind == Kind.OBJECT:
+        obj = unpickle(tensors[0], "object")
+    elif type(header.structure) is (DictNode if kind == Kind.TENSOR_DICT else DataclassNode):
+        try:
+            obj = build(header.structure, tensors)
+        except RecursionError as exc:
+            raise CodecError("the message structure is nested too deeply") from exc
+    else:
+        raise CodecError(f"a {Kind(kind).name} message has structure {header.structure!r}")
+    if header.piggyback is not None:
+        return obj, unpickle(header.piggyback, "piggyback payload")
+    return obj
+
+
