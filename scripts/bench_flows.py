@@ -107,7 +107,8 @@ class FlowBench:
         nbytes, iters = a.sync_mib << 20, a.repeats + 1
         print(f"weight sync: {human_size(nbytes)} state dict, 1 -> {a.receivers}", flush=True)
         self.results["weight_sync"] += _flows_runs.weight_sync(
-            self.rt, "flows", "rlcomm", a.receivers, nbytes, iters, raw_gloo=True)
+            self.rt, "flows", "rlcomm", a.receivers, nbytes, iters, raw_gloo=True,
+            handover=True)
         for label, env in RAY_PATHS:
             actors = self._ray_actors(env, max(a.receivers) + 1)
             try:
@@ -124,11 +125,13 @@ class FlowBench:
         a = self.args
         nbytes, iters = a.rollout_mib << 20, _flows_runs.COLD + a.repeats
         print(f"rollout dict: {human_size(nbytes)}, producer -> consumer", flush=True)
-        for i, (path, label) in enumerate((("send/recv", "rlcomm send/recv"),
-                                           ("channel", "rlcomm channel"),
-                                           ("raw gloo", "raw gloo send/recv"))):
+        for i, (path, label, shared) in enumerate((
+                ("send/recv", "rlcomm send/recv", False),
+                ("send/recv", "rlcomm send, rlcomm.empty", True),
+                ("channel", "rlcomm channel", False),
+                ("raw gloo", "raw gloo send/recv", False))):
             self.results["rollout"].append(_flows_runs.rollout_pair(
-                self.rt, f"flows_pair{i}", path, label, nbytes, iters))
+                self.rt, f"flows_pair{i}", path, label, nbytes, iters, shared))
         for label, env in RAY_PATHS:
             actors = self._ray_actors(env, 2)
             try:
@@ -273,7 +276,8 @@ def tables(results: dict[str, list[dict[str, Any]]]) -> str:
         lines += [f"{p:28s}" + "".join(f"{ms[p, n]:12.1f}" if (p, n) in ms else f"{'-':>12s}"
                                        for n in ns) for p in paths]
         lines.append("rlcomm speed over each baseline (>1: rlcomm faster)")
-        for ours in ("rlcomm broadcast", "rlcomm send to each"):
+        for ours in ("rlcomm broadcast", "rlcomm send to each",
+                     "rlcomm broadcast, rlcomm.empty"):
             for base in (p for p in paths if not p.startswith("rlcomm")):
                 lines.append(f"  {ours} vs {base:22s}"[:60].ljust(60) + "".join(
                     f"{_ratio(ms.get((base, n)), ms.get((ours, n))):>10s}" for n in ns))
@@ -289,7 +293,7 @@ def tables(results: dict[str, list[dict[str, Any]]]) -> str:
                          f"{r['warm_median_s']:9.3f}{r['warm_GBps']:11.2f}")
         by = {r["path"]: r for r in roll}
         lines.append("rlcomm speed over each baseline (cold, warm)")
-        for ours in ("rlcomm send/recv", "rlcomm channel"):
+        for ours in ("rlcomm send/recv", "rlcomm send, rlcomm.empty", "rlcomm channel"):
             for base in (p for p in by if not p.startswith("rlcomm")):
                 if ours in by:
                     lines.append(f"  {ours} vs {base:24s}"[:56].ljust(56)
