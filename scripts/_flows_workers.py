@@ -235,6 +235,25 @@ class FlowOps:
         return time.time()
 
 
+    # -- the same stream over plain send/recv: the reference a channel is held to ----------
+
+    def p2p_stream_put(self, group: str, kind: str, n: int) -> float:
+        """Send ``n`` items to rank 1 of ``group``, one at a time; the start stamp."""
+        item = stream_item(kind)
+        self.recv(group, 1)
+        start = time.time()
+        for _ in range(n):
+            self.send(item, group, 1)
+        return start
+
+    def p2p_stream_get(self, group: str, n: int) -> float:
+        """Receive ``n`` items from rank 0 of ``group``; the stamp when the last came."""
+        self.send(_ready(), group, 0)
+        for _ in range(n):
+            self.recv(group, 0)
+        return time.time()
+
+
 def stream_item(kind: str) -> Any:
     """A channel-stream item: 1 KiB of bytes, or a 1 MiB float32 tensor (bench_channel's)."""
     return make_item(kind)

@@ -155,6 +155,7 @@ class FlowBench:
                     chan.throughput(backend, mode, kind, n, batch)
         finally:
             chan.shutdown()
+        self._p2p_stream(cases)
         for r in chan.records:
             path = "rlcomm channel" if r["backend"] == "rlcomm" else "ray.util.queue"
             self.results["stream"].append(stream_record(path, r["kind"], r["mode"], r["items"],
@@ -182,6 +183,30 @@ class FlowBench:
         finally:
             ray.get([p.close.remote() for p in (pull, push)], timeout=60)
             self._kill([pull, push])
+
+    def _p2p_stream(self, cases: list[tuple[str, str, int, int]]) -> None:
+        """The one-at-a-time cases over plain send/recv (what a channel is held to)."""
+        pair = self.rt.launch("flows_stream", [0, 0])
+        try:
+            self.rt.wait(pair.setup_flows())
+            for kind, mode, n, batch in cases:
+                if mode != "one":
+                    continue
+                rates = []
+                for rep in range(self.args.stream_repeats + 1):
+                    count = n if rep else max(1, n // 10)  # the first round warms up
+                    end = pair.execute_on(1).p2p_stream_get("flows_stream", count)
+                    start = self.rt.wait(
+                        pair.execute_on(0).p2p_stream_put("flows_stream", kind, count))[0]
+                    stop = self.rt.wait(end)[0]
+                    if rep:
+                        rates.append(count / (stop - start))
+                self.results["stream"].append(
+                    stream_record("rlcomm send/recv", kind, mode, n, batch, rates))
+                print(f"  rlcomm send/recv one      {kind}: {statistics.median(rates):10.0f} "
+                      "items/s", flush=True)
+        finally:
+            self.rt.close(pair)
 
     def rlinf(self) -> None:
         """RLinf's paths, in a subprocess joined to this Ray (bounded, then ended)."""
