@@ -36,13 +36,14 @@ import socket
 import struct
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports import pool
+from rlcomm.comm.transports import pool, shm_handover
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
@@ -59,7 +60,7 @@ from rlcomm.comm.transports.shm_memory import (
     new_memfd,
     release_segment,
 )
-from rlcomm.comm.transports.shm_signals import SignalSockets
+from rlcomm.comm.transports.shm_signals import HANDED, SignalSockets
 from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 from rlcomm.errors import CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
@@ -72,7 +73,9 @@ _MAX_IN_FLIGHT = get_settings().shm_max_in_flight
 #: of segments and fall back to streaming large payloads through the ring.
 _PIN_LIMIT = _MAX_IN_FLIGHT // 2
 _RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
-_INLINE, _SEGMENT, _FRAME = 1, 2, 3
+_INLINE, _SEGMENT, _FRAME, _HANDED = 1, 2, 3, 4
+#: Where a payload tensor's memory is handed over: ``(fd, offset, nbytes)``, else None.
+HandedOver = tuple[int, int, int] | None
 
 
 class ShmTransport(Transport):
@@ -111,6 +114,7 @@ class ShmTransport(Transport):
         self._spin = Spin()  # of this transport's own waits for data
         self._pool = SegmentPool(self._out.states, self._signals.send_fd, _MAX_IN_FLIGHT)
         self._peer_segments: dict[int, Segment] = {}  # incoming, mapped on first sight
+        self._handed: deque[tuple[int, int, int]] = deque()  # incoming (fd, offset, nbytes)
 
     # -- notifications ----------------------------------------------------------------------
 
@@ -126,7 +130,10 @@ class ShmTransport(Transport):
         got, new_segment = self._signals.read(sock, block, deadline, what)
         if new_segment is not None:
             seg_id, size, fd = new_segment
-            self._peer_segments[seg_id] = Segment(seg_id, size, map_fd(fd, size))
+            if seg_id == HANDED:  # mapped when its record is read
+                self._handed.append((fd, *size))  # type: ignore[misc]
+                return got
+            self._peer_segments[seg_id] = Segment(seg_id, size, map_fd(fd, size))  # type: ignore[arg-type]
             os.close(fd)
         return got
 
@@ -213,20 +220,31 @@ class ShmTransport(Transport):
         self._check_usable()
         deadline = time.monotonic() + timeout
         record = _RECORD.pack(_FRAME, 0, len(frame)) + frame
+        handed = self._handed_over(payload)
         if payload or self._space() < len(record):
-            segments = self._reserve(len(record), payload, deadline)
+            segments = self._reserve(len(record), payload, deadline, handed)
         else:  # the common small message: room in the ring, nothing to reserve
             segments = ()
         try:
             self._write(record, deadline)
-            self._send_payload(payload, deadline, segments)
+            self._send_payload(payload, deadline, segments, handed)
         except BaseException:
             self.broken = True
             raise
         self._wake_reader()
 
+    @staticmethod
+    def _handed_over(payload: Sequence[torch.Tensor]) -> list[HandedOver] | None:
+        """Where each payload tensor's memory is handed over (None: none is)."""
+        if not payload or not shm_handover.has_blocks():
+            return None
+        handed = [shm_handover.find(t) if t.numel() >= SEGMENT_THRESHOLD else None
+                  for t in payload]
+        return handed if any(handed) else None
+
     def _reserve(
-        self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float
+        self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float,
+        handed: Sequence[HandedOver] | None = None,
     ) -> list[Segment | None]:
         """Before a message is written: take a segment for each large tensor and wait
         for ring space for the rest, so that writing it cannot stall on a receiver that
@@ -235,7 +253,8 @@ class ShmTransport(Transport):
         A message too large for that (more large tensors than half the segments in
         flight, or more ring bytes than the ring) is written as it goes instead."""
         sizes = [t.numel() for t in payload]
-        large = [i for i, n in enumerate(sizes) if n >= SEGMENT_THRESHOLD]
+        large = [i for i, n in enumerate(sizes)
+                 if n >= SEGMENT_THRESHOLD and not (handed and handed[i])]
         segments: list[Segment | None] = [None] * len(sizes)
         in_ring = frame_bytes + _RECORD.size * len(sizes) + sum(
             n for n in sizes if n < SEGMENT_THRESHOLD
@@ -270,9 +289,18 @@ class ShmTransport(Transport):
     def _send_payload(
         self, tensors: Sequence[torch.Tensor], deadline: float,
         segments: Sequence[Segment | None] | None = None,
+        handed: Sequence[HandedOver] | None = None,
     ) -> None:
+        if handed is None and segments is None:
+            handed = self._handed_over(tensors)
         for k, t in enumerate(tensors):
             n = t.numel()
+            block = handed[k] if handed else None
+            if block is not None:  # only the fd travels
+                fd, offset, nbytes = block
+                self._signals.send_handed(fd, offset, nbytes, deadline)
+                self._write(_RECORD.pack(_HANDED, 0, n), deadline)
+                continue
             seg = segments[k] if segments else None
             if seg is None and n >= SEGMENT_THRESHOLD:
                 seg = self._pool.take(n, deadline)
@@ -420,6 +448,8 @@ class ShmTransport(Transport):
                 seg = self._peer_segment(seg_id, deadline)
                 t.copy_(seg.tensor[:n])
                 self._in.states[seg_id] = 0
+            elif kind == _HANDED:
+                t.copy_(self._map_handed(n, deadline))
             elif n:
                 self._read(t, n, deadline)
 
@@ -445,12 +475,26 @@ class ShmTransport(Transport):
                     t.copy_(seg.tensor[:n])
                     release_segment(self._in.states, seg_id)
                     out.append(t)
+            elif kind == _HANDED:
+                out.append(self._map_handed(n, deadline))
             else:
                 t = pool.take(n)
                 if n:
                     self._read(t, n, deadline)
                 out.append(t)
         return out
+
+    def _map_handed(self, n: int, deadline: float | None) -> torch.Tensor:
+        """A copy-on-write view of the next handed-over block, whose record said ``n``
+        bytes (its fd arrived on the signal socket before the record)."""
+        while not self._handed:
+            self._read_sock(self._in_sock, True, deadline, "shm recv")
+        fd, offset, nbytes = self._handed.popleft()
+        try:
+            self._check_size(n, nbytes)
+            return shm_handover.map_received(fd, offset, nbytes, f"shm recv from {self._peer}")
+        finally:
+            os.close(fd)
 
     def _pinned(self) -> int:
         """How many of the peer's segments are in flight to, or held by, this side."""
@@ -459,3 +503,5 @@ class ShmTransport(Transport):
     def close(self) -> None:
         self._closed = True
         self._signals.close()
+        while self._handed:
+            os.close(self._handed.popleft()[0])
