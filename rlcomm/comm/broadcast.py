@@ -172,7 +172,8 @@ class BroadcastGroup:
             self._seq_out += 1
             for member in source.missing():
                 failures.setdefault(member, CommTimeoutError(
-                    f"{self._label}: {self.members[member]} did not join within {timeout}s"
+                    f"{self._label}: {self.members[member]} did not join within {timeout}s",
+                    peer=self.members[member], op="broadcast",
                 ))
         if relays:
             self._gloo_group((self.index, *relays)).send(frame, payload, 0, timeout)
@@ -183,7 +184,9 @@ class BroadcastGroup:
             ) else CommTimeoutError
             raise kind(
                 f"broadcast from {self.members[self.index]}: the other members got it, but not "
-                f"{names}"
+                f"{names}",
+                peer=self.members[min(failures)] if len(failures) == 1 else None,
+                op="broadcast",
             )
 
     def _fanout_source(self, local: list[int], deadline: float) -> FanoutSource:
@@ -213,7 +216,8 @@ class BroadcastGroup:
                 if isinstance(exc, PeerLostError):
                     self._drop_sink(src)
                 raise type(exc)(
-                    f"broadcast at {self.members[self.index]} from {self.members[src]}: {exc}"
+                    f"broadcast at {self.members[self.index]} from {self.members[src]}: {exc}",
+                    peer=self.members[src], op="broadcast",
                 ) from exc
             if msg.seq >= expected:
                 break  # older ones are late messages of broadcasts that timed out here

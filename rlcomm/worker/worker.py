@@ -271,6 +271,10 @@ class Worker(DispatchInfoMixin):
         return self._comm.broadcast(object, groups, src, async_op, options)
 
     # -- channels ---------------------------------------------------------------------------
+    # The seam between workers and channels: a worker offers channels (RLinf's
+    # Worker.create_channel / connect_channel), a channel knows nothing of workers (its
+    # own worker is built from rlcomm.comm). These two methods are the only place
+    # rlcomm.worker reaches into rlcomm.channel, at call time.
 
     def create_channel(
         self,
