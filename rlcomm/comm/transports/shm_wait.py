@@ -19,13 +19,21 @@ import os
 import select
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rlcomm.errors import PeerLostError
 from rlcomm.settings import get_settings
 
-if TYPE_CHECKING:
-    from rlcomm.comm.transports.shm import ShmTransport
+
+class ShmTransport(Protocol):
+    """What a wait needs of a shared-memory transport (:mod:`.shm` has the one)."""
+
+    def available(self) -> int: ...
+    def signal_fd(self) -> int: ...
+    def poller(self, wake_fd: int | None) -> select.poll: ...
+    def read_signal(self) -> None: ...
+    def set_sleeping(self, sleeping: bool) -> None: ...
+    def mark_lost(self) -> None: ...
 
 #: Most seconds a waiter checks the rings before it sleeps (``RLCOMM_SHM_SPIN_US``;
 #: 0 turns spinning off).
