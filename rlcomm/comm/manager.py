@@ -1,8 +1,10 @@
 """``CommManager``: this process's connections and broadcast groups, made on first use.
 
 One manager per worker process, started with the worker. It owns the mailbox (and its
-reader thread), a small pool of handshake threads, and every :class:`Connection` and
-:class:`BroadcastGroup`. Peers are found through the registry actor once, then cached.
+reader thread), the :class:`~rlcomm.comm.handshake.Handshake` (and its small pool of
+threads), and every :class:`Connection` and :class:`BroadcastGroup`. Peers are found
+through the registry actor once, then cached. A send or receive on a live connection
+takes no lock of the manager's (the per-message path is a dict read).
 """
 
 from __future__ import annotations
