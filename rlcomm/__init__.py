@@ -6,6 +6,7 @@ from rlcomm.cluster import Cluster
 from rlcomm.comm.codec import set_strict_mode
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout, set_memory_limits
+from rlcomm.comm.transports.shm_handover import empty, empty_like
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
     AuthenticationError,
@@ -43,6 +44,8 @@ from rlcomm.worker.worker import Worker
 
 __all__ = [
     "__version__",
+    "empty",
+    "empty_like",
     "Settings",
     "SettingsError",
     "get_settings",

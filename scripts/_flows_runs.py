@@ -48,10 +48,12 @@ def _pairs(starts: list[float], ends_per_rank: list[list[float]]) -> list[float]
 
 
 def weight_sync(rt: Runtime, prefix: str, label: str, receivers: list[int], nbytes: int,
-                iters: int, raw_gloo: bool = False) -> list[dict[str, Any]]:
+                iters: int, raw_gloo: bool = False,
+                handover: bool = False) -> list[dict[str, Any]]:
     """One trainer -> ``n`` receivers for each ``n``: ``broadcast``, ``send`` to each and,
-    with ``raw_gloo``, a torch.distributed Gloo broadcast over the same processes. The
-    first of ``iters`` transfers is a warm-up, not reported."""
+    with ``raw_gloo``, a torch.distributed Gloo broadcast over the same processes; with
+    ``handover``, both again with a state dict made by ``rlcomm.empty``. The first of
+    ``iters`` transfers is a warm-up, not reported."""
     src, dst = f"{prefix}_trainer", f"{prefix}_rollout"
     nmax = max(receivers)
     wait = rt.wait
@@ -61,8 +63,12 @@ def weight_sync(rt: Runtime, prefix: str, label: str, receivers: list[int], nbyt
     try:
         wait(trainer.setup_flows())
         wait(rollout.setup_flows())
-        wait(trainer.make_payload(nbytes, NTENSORS))
-        for how, name in (("broadcast", "broadcast"), ("send", "send to each")):
+        cases = [(False, "broadcast", "broadcast"), (False, "send", "send to each")]
+        if handover:
+            cases += [(True, "broadcast", "broadcast, rlcomm.empty"),
+                      (True, "send", "send, rlcomm.empty")]
+        for shared, how, name in cases:
+            wait(trainer.make_payload(nbytes, NTENSORS, True, shared))
             for n in receivers:
                 ranks = list(range(n))
                 ends = rollout.execute_on(*ranks).sync_receiver(how, src, dst, ranks, iters)
@@ -96,15 +102,16 @@ def weight_sync(rt: Runtime, prefix: str, label: str, receivers: list[int], nbyt
 
 
 def rollout_pair(rt: Runtime, name: str, path: str, label: str, nbytes: int,
-                 iters: int) -> dict[str, Any]:
+                 iters: int, handover: bool = False) -> dict[str, Any]:
     """A fresh pair (rank 0 produces, rank 1 consumes) moves the rollout dict ``iters``
-    times over ``path`` ("send/recv", "channel" or "raw gloo")."""
+    times over ``path`` ("send/recv", "channel" or "raw gloo"); with ``handover`` the
+    dict is made by ``rlcomm.empty``."""
     wait = rt.wait
     pair = rt.launch(name, [0, 0])
     channel = None
     try:
         wait(pair.setup_flows())
-        wait(pair.execute_on(0).make_payload(nbytes, NTENSORS))
+        wait(pair.execute_on(0).make_payload(nbytes, NTENSORS, True, handover))
         if path == "raw gloo":
             wait(pair.execute_on(1).make_payload(nbytes, NTENSORS, False))
             wait(pair.init_gloo_pair())

@@ -24,9 +24,18 @@ from bench_channel import make_item
 WAIT_S = 600.0  # the bound on every wait inside the workers
 
 
-def tensor_dict(nbytes: int, ntensors: int, fill: bool = True) -> dict[str, torch.Tensor]:
-    """``ntensors`` float32 tensors of ``nbytes`` in all (a state dict or a rollout dict)."""
+def tensor_dict(nbytes: int, ntensors: int, fill: bool = True,
+                handover: bool = False) -> dict[str, torch.Tensor]:
+    """``ntensors`` float32 tensors of ``nbytes`` in all (a state dict or a rollout dict);
+    with ``handover``, made by ``rlcomm.empty`` (same-node sends pass their memory)."""
     each = max(1, nbytes // ntensors // 4)
+    if handover:
+        import rlcomm
+
+        out = {f"t{i:02d}": rlcomm.empty(each) for i in range(ntensors)}
+        for t in out.values():
+            t.fill_(1.0 if fill else 0.0)
+        return out
     make = torch.ones if fill else torch.empty
     return {f"t{i:02d}": make(each, dtype=torch.float32) for i in range(ntensors)}
 
@@ -53,9 +62,10 @@ class FlowOps:
         self._gloo_groups: dict[int, Any] = {}
         return True
 
-    def make_payload(self, nbytes: int, ntensors: int, fill: bool = True) -> bool:
+    def make_payload(self, nbytes: int, ntensors: int, fill: bool = True,
+                     handover: bool = False) -> bool:
         self._payload = None
-        self._payload = tensor_dict(nbytes, ntensors, fill)
+        self._payload = tensor_dict(nbytes, ntensors, fill, handover)
         return True
 
     def drop(self) -> bool:
@@ -222,6 +232,25 @@ class FlowOps:
                 got += 1
             else:
                 got += len(ch.get_batch(min(batch, n - got)))
+        return time.time()
+
+
+    # -- the same stream over plain send/recv: the reference a channel is held to ----------
+
+    def p2p_stream_put(self, group: str, kind: str, n: int) -> float:
+        """Send ``n`` items to rank 1 of ``group``, one at a time; the start stamp."""
+        item = stream_item(kind)
+        self.recv(group, 1)
+        start = time.time()
+        for _ in range(n):
+            self.send(item, group, 1)
+        return start
+
+    def p2p_stream_get(self, group: str, n: int) -> float:
+        """Receive ``n`` items from rank 0 of ``group``; the stamp when the last came."""
+        self.send(_ready(), group, 0)
+        for _ in range(n):
+            self.recv(group, 0)
         return time.time()
 
 

@@ -107,7 +107,8 @@ class FlowBench:
         nbytes, iters = a.sync_mib << 20, a.repeats + 1
         print(f"weight sync: {human_size(nbytes)} state dict, 1 -> {a.receivers}", flush=True)
         self.results["weight_sync"] += _flows_runs.weight_sync(
-            self.rt, "flows", "rlcomm", a.receivers, nbytes, iters, raw_gloo=True)
+            self.rt, "flows", "rlcomm", a.receivers, nbytes, iters, raw_gloo=True,
+            handover=True)
         for label, env in RAY_PATHS:
             actors = self._ray_actors(env, max(a.receivers) + 1)
             try:
@@ -124,11 +125,13 @@ class FlowBench:
         a = self.args
         nbytes, iters = a.rollout_mib << 20, _flows_runs.COLD + a.repeats
         print(f"rollout dict: {human_size(nbytes)}, producer -> consumer", flush=True)
-        for i, (path, label) in enumerate((("send/recv", "rlcomm send/recv"),
-                                           ("channel", "rlcomm channel"),
-                                           ("raw gloo", "raw gloo send/recv"))):
+        for i, (path, label, shared) in enumerate((
+                ("send/recv", "rlcomm send/recv", False),
+                ("send/recv", "rlcomm send, rlcomm.empty", True),
+                ("channel", "rlcomm channel", False),
+                ("raw gloo", "raw gloo send/recv", False))):
             self.results["rollout"].append(_flows_runs.rollout_pair(
-                self.rt, f"flows_pair{i}", path, label, nbytes, iters))
+                self.rt, f"flows_pair{i}", path, label, nbytes, iters, shared))
         for label, env in RAY_PATHS:
             actors = self._ray_actors(env, 2)
             try:
@@ -152,6 +155,7 @@ class FlowBench:
                     chan.throughput(backend, mode, kind, n, batch)
         finally:
             chan.shutdown()
+        self._p2p_stream(cases)
         for r in chan.records:
             path = "rlcomm channel" if r["backend"] == "rlcomm" else "ray.util.queue"
             self.results["stream"].append(stream_record(path, r["kind"], r["mode"], r["items"],
@@ -179,6 +183,30 @@ class FlowBench:
         finally:
             ray.get([p.close.remote() for p in (pull, push)], timeout=60)
             self._kill([pull, push])
+
+    def _p2p_stream(self, cases: list[tuple[str, str, int, int]]) -> None:
+        """The one-at-a-time cases over plain send/recv (what a channel is held to)."""
+        pair = self.rt.launch("flows_stream", [0, 0])
+        try:
+            self.rt.wait(pair.setup_flows())
+            for kind, mode, n, batch in cases:
+                if mode != "one":
+                    continue
+                rates = []
+                for rep in range(self.args.stream_repeats + 1):
+                    count = n if rep else max(1, n // 10)  # the first round warms up
+                    end = pair.execute_on(1).p2p_stream_get("flows_stream", count)
+                    start = self.rt.wait(
+                        pair.execute_on(0).p2p_stream_put("flows_stream", kind, count))[0]
+                    stop = self.rt.wait(end)[0]
+                    if rep:
+                        rates.append(count / (stop - start))
+                self.results["stream"].append(
+                    stream_record("rlcomm send/recv", kind, mode, n, batch, rates))
+                print(f"  rlcomm send/recv one      {kind}: {statistics.median(rates):10.0f} "
+                      "items/s", flush=True)
+        finally:
+            self.rt.close(pair)
 
     def rlinf(self) -> None:
         """RLinf's paths, in a subprocess joined to this Ray (bounded, then ended)."""
@@ -273,7 +301,8 @@ def tables(results: dict[str, list[dict[str, Any]]]) -> str:
         lines += [f"{p:28s}" + "".join(f"{ms[p, n]:12.1f}" if (p, n) in ms else f"{'-':>12s}"
                                        for n in ns) for p in paths]
         lines.append("rlcomm speed over each baseline (>1: rlcomm faster)")
-        for ours in ("rlcomm broadcast", "rlcomm send to each"):
+        for ours in ("rlcomm broadcast", "rlcomm send to each",
+                     "rlcomm broadcast, rlcomm.empty"):
             for base in (p for p in paths if not p.startswith("rlcomm")):
                 lines.append(f"  {ours} vs {base:22s}"[:60].ljust(60) + "".join(
                     f"{_ratio(ms.get((base, n)), ms.get((ours, n))):>10s}" for n in ns))
@@ -289,7 +318,7 @@ def tables(results: dict[str, list[dict[str, Any]]]) -> str:
                          f"{r['warm_median_s']:9.3f}{r['warm_GBps']:11.2f}")
         by = {r["path"]: r for r in roll}
         lines.append("rlcomm speed over each baseline (cold, warm)")
-        for ours in ("rlcomm send/recv", "rlcomm channel"):
+        for ours in ("rlcomm send/recv", "rlcomm send, rlcomm.empty", "rlcomm channel"):
             for base in (p for p in by if not p.startswith("rlcomm")):
                 if ours in by:
                     lines.append(f"  {ours} vs {base:24s}"[:56].ljust(56)

@@ -55,13 +55,14 @@ def test_bench_flows_quick_end_to_end(tmp_path):
     got = json.loads(out_json.read_text())
     assert {"args", "machine", "weight_sync", "rollout", "stream", "skipped"} <= set(got)
     sync = {(r["path"], r["receivers"]) for r in got["weight_sync"]}
-    for path in ("rlcomm broadcast", "rlcomm send to each", "raw gloo broadcast",
-                 "ray zero-copy", "ray default"):
+    for path in ("rlcomm broadcast", "rlcomm send to each", "rlcomm broadcast, rlcomm.empty",
+                 "rlcomm send, rlcomm.empty", "raw gloo broadcast", "ray zero-copy",
+                 "ray default"):
         assert {(path, 1), (path, 2)} <= sync, sync
     assert all(r["median_s"] > 0 for r in got["weight_sync"])
     roll = {r["path"]: r for r in got["rollout"]}
-    assert set(roll) == {"rlcomm send/recv", "rlcomm channel", "raw gloo send/recv",
-                         "ray zero-copy", "ray default"}
+    assert set(roll) == {"rlcomm send/recv", "rlcomm send, rlcomm.empty", "rlcomm channel",
+                         "raw gloo send/recv", "ray zero-copy", "ray default"}
     assert all(len(r["cold_s"]) == 3 and r["warm_GBps"] > 0 for r in roll.values())
     stream = {(r["path"], r["kind"], r["mode"]) for r in got["stream"]}
     for path in ("rlcomm channel", "ray.util.queue"):

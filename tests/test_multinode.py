@@ -49,22 +49,25 @@ def test_resource_pool_with_uneven_nodes(two_node_cluster):
 
 @pytest.mark.multinode
 def test_broadcast_to_same_node_and_other_node_members(two_node_cluster):
-    """The source's node-mates get shared memory, the other node's members Gloo; all
-    get the object, from either source."""
+    """The source's node-mates get shared memory; the other node gets one Gloo transfer,
+    to its relay, which hands it to its node-mates; all get the object, from any source."""
     from tests.comm.test_broadcast import Caster
 
     group = Caster.create_group().launch(
-        two_node_cluster, NodePlacementStrategy([0, 0, 1, 1]), name="bc_two_nodes"
+        two_node_cluster, NodePlacementStrategy([0, 0, 1, 1, 1]), name="bc_two_nodes"
     )
-    members = [("bc_two_nodes", [0, 1, 2, 3])]
+    members = [("bc_two_nodes", [0, 1, 2, 3, 4])]
     try:
-        for step, src in ((5, 0), (6, 2), (7, 0)):
+        for step, src in ((5, 0), (6, 3), (7, 0), (8, 2)):
             handles = [
                 group.execute_on(r).cast(step, members, ("bc_two_nodes", src), source=r == src)
-                for r in range(4)
+                for r in range(5)
             ]
-            assert [h.wait(timeout=180)[0] for h in handles] == [True] * 4
-        plans = group.execute_on(0).broadcast_plan(members, 0).wait(timeout=60)
-        assert plans == [([1], [2, 3])]
+            assert [h.wait(timeout=180)[0] for h in handles] == [True] * 5
+        assert group.execute_on(0).broadcast_plan(members, 0).wait(timeout=60) == [
+            ([1], [2, 3, 4])
+        ]
+        assert group.execute_on(0).broadcast_relays(members, 0).wait(timeout=60) == [{2: [3, 4]}]
+        assert group.execute_on(4).broadcast_relays(members, 3).wait(timeout=60) == [{0: [1]}]
     finally:
         group.shutdown()

@@ -7,8 +7,13 @@ A broadcast from member ``src`` splits its members in two, alike on every member
   hands the slot to each of them (:mod:`~rlcomm.comm.transports.shm_fanout`); each maps
   it copy-on-write and decodes zero-copy views. The slot goes back to the source's pool
   when every local receiver has freed its views.
-- *remote* receivers, on other nodes: a Gloo process group of the source and them
-  (NCCL for CUDA payloads), made on first use; one transfer per remote receiver.
+- *remote* receivers, on other nodes: one of them per node is that node's *relay* (the
+  first member there, in member order). The payload crosses the network once per node,
+  over a Gloo process group of the source and the relays (NCCL for CUDA payloads), made
+  on first use; each relay then hands it to its node-mates as the source does to its
+  own (a shared-memory fan-out, one copy). So a broadcast to ``n`` nodes of ``k``
+  members each costs ``n - 1`` network transfers and one local copy per node, whatever
+  ``k``.
 
 Broadcasts on one group run one at a time, in call order (one thread for async calls),
 so every member sees the same sequence. Each source numbers its messages, so a receiver
@@ -111,6 +116,17 @@ class BroadcastGroup:
         local = [i for i in others if self._nodes[i] == self._nodes[src]]
         return local, [i for i in others if i not in local]
 
+    def relays(self, src: int) -> dict[int, list[int]]:
+        """The relay of each other node of a broadcast from ``src``, and the members it
+        hands the payload to (every member is its own relay without shared memory)."""
+        _, remote = self.plan(src)
+        if not SHM_SUPPORTED:
+            return {i: [] for i in remote}
+        by_node: dict[Any, list[int]] = {}
+        for i in remote:
+            by_node.setdefault(self._nodes[i], []).append(i)
+        return {ids[0]: ids[1:] for ids in by_node.values()}
+
     @property
     def pool_bytes(self) -> int:
         """Shared memory this member holds as a broadcast source."""
@@ -122,20 +138,29 @@ class BroadcastGroup:
     def broadcast(self, obj: Any, src: int, timeout: float) -> Any:
         """Send ``obj`` from member ``src`` to all; every member returns the object."""
         deadline = time.monotonic() + timeout
-        local, remote = self.plan(src)
+        local, _ = self.plan(src)
+        relays = self.relays(src)
         with self._lock:
             if self.index == src:
-                self._send(obj, local, remote, deadline, timeout)
+                self._send(obj, local, list(relays), deadline, timeout)
                 return obj
             if self.index in local:
                 return self._recv_local(src, deadline)
-            return self._recv_remote(src, remote, timeout)
+            if self.index in relays:
+                got = self._recv_remote(src, list(relays), timeout)
+                if relays[self.index]:
+                    self._send(got, relays[self.index], [], deadline, timeout)
+                return got
+            relay = next(r for r, mates in relays.items() if self.index in mates)
+            return self._recv_local(relay, deadline)
 
     # -- the source ------------------------------------------------------------------------
 
     def _send(
-        self, obj: Any, local: list[int], remote: list[int], deadline: float, timeout: float
+        self, obj: Any, local: list[int], relays: list[int], deadline: float, timeout: float
     ) -> None:
+        """Hand ``obj`` to this node's ``local`` members (shared memory) and to the
+        ``relays`` of other nodes (one Gloo transfer each)."""
         header, tensors = codec.encode(obj)
         frame, payload = framing.pack(header, tensors)
         failures: dict[int, Exception] = {}
@@ -149,8 +174,8 @@ class BroadcastGroup:
                 failures.setdefault(member, CommTimeoutError(
                     f"{self._label}: {self.members[member]} did not join within {timeout}s"
                 ))
-        if remote:
-            self._gloo_group((self.index, *remote)).send(frame, payload, 0, timeout)
+        if relays:
+            self._gloo_group((self.index, *relays)).send(frame, payload, 0, timeout)
         if failures:
             names = ", ".join(f"{self.members[m]} ({exc})" for m, exc in sorted(failures.items()))
             kind = PeerLostError if any(
@@ -227,8 +252,8 @@ class BroadcastGroup:
         if sink is not None:
             sink.close()
 
-    def _recv_remote(self, src: int, remote: list[int], timeout: float) -> Any:
-        gloo = self._gloo_group((src, *remote))
+    def _recv_remote(self, src: int, relays: list[int], timeout: float) -> Any:
+        gloo = self._gloo_group((src, *relays))
         header, tensors = gloo.recv(0, timeout)
         return codec.decode(header, tensors)
 

@@ -62,6 +62,12 @@ class Caster(Worker):
         group = self._comm._bcast[tuple(expand_groups(groups))]
         return group.plan(src_index)
 
+    def broadcast_relays(self, groups, src_index):
+        """Each other node's relay and the members it fans out to, for a source."""
+        from rlcomm.comm.broadcast import expand_groups
+
+        return self._comm._bcast[tuple(expand_groups(groups))].relays(src_index)
+
     def broadcast_pool_bytes(self):
         return sum(g.pool_bytes for g in self._comm._bcast.values())
 

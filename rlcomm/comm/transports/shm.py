@@ -35,13 +35,14 @@ import select
 import socket
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports import pool, registry
+from rlcomm.comm.transports import pool, registry, shm_handover
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
@@ -57,9 +58,9 @@ from rlcomm.comm.transports.shm_memory import (
     new_memfd,
     release_segment,
 )
-from rlcomm.comm.transports.shm_ring import FRAME, RECORD, SEGMENT, RingWriter
-from rlcomm.comm.transports.shm_signals import SignalSockets
-from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
+from rlcomm.comm.transports.shm_ring import FRAME, HANDED_RECORD, RECORD, SEGMENT, RingWriter
+from rlcomm.comm.transports.shm_signals import HANDED, SignalSockets
+from rlcomm.comm.transports.shm_wait import ShmWaiter, Spin, wait_for_data
 from rlcomm.errors import CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
@@ -109,6 +110,7 @@ class ShmTransport(Transport):
         self._pool = SegmentPool(self._out.states, self._signals.send_fd, _MAX_IN_FLIGHT)
         self._writer = RingWriter(self._out, self._pool, self._signals, peer, _MAX_IN_FLIGHT)
         self._peer_segments: dict[int, Segment] = {}  # incoming, mapped on first sight
+        self._handed: deque[tuple[int, int, int]] = deque()  # incoming (fd, offset, nbytes)
 
     # -- notifications ----------------------------------------------------------------------
 
@@ -124,7 +126,10 @@ class ShmTransport(Transport):
         got, new_segment = self._signals.read(sock, block, deadline, what)
         if new_segment is not None:
             seg_id, size, fd = new_segment
-            self._peer_segments[seg_id] = Segment(seg_id, size, map_fd(fd, size))
+            if seg_id == HANDED:  # mapped when its record is read
+                self._handed.append((fd, *size))  # type: ignore[misc]
+                return got
+            self._peer_segments[seg_id] = Segment(seg_id, size, map_fd(fd, size))  # type: ignore[arg-type]
             os.close(fd)
         return got
 
@@ -155,13 +160,14 @@ class ShmTransport(Transport):
         self._check_usable()
         deadline = time.monotonic() + timeout
         record = RECORD.pack(FRAME, 0, len(frame)) + frame
+        handed = self._writer.handed_over(payload)
         if payload or self._writer.space() < len(record):
-            segments = self._writer.reserve(len(record), payload, deadline)
+            segments = self._writer.reserve(len(record), payload, deadline, handed)
         else:  # the common small message: room in the ring, nothing to reserve
             segments = ()
         try:
             self._writer.write(record, deadline)
-            self._writer.send_payload(payload, deadline, segments)
+            self._writer.send_payload(payload, deadline, segments, handed)
         except BaseException:
             self.broken = True
             raise
@@ -311,6 +317,8 @@ class ShmTransport(Transport):
                 seg = self._peer_segment(seg_id, deadline)
                 t.copy_(seg.tensor[:n])
                 self._in.states[seg_id] = 0
+            elif kind == HANDED_RECORD:
+                t.copy_(self._map_handed(n, deadline))
             elif n:
                 self._read(t, n, deadline)
 
@@ -336,12 +344,26 @@ class ShmTransport(Transport):
                     t.copy_(seg.tensor[:n])
                     release_segment(self._in.states, seg_id)
                     out.append(t)
+            elif kind == HANDED_RECORD:
+                out.append(self._map_handed(n, deadline))
             else:
                 t = pool.take(n)
                 if n:
                     self._read(t, n, deadline)
                 out.append(t)
         return out
+
+    def _map_handed(self, n: int, deadline: float | None) -> torch.Tensor:
+        """A copy-on-write view of the next handed-over block, whose record said ``n``
+        bytes (its fd arrived on the signal socket before the record)."""
+        while not self._handed:
+            self._read_sock(self._in_sock, True, deadline, "shm recv")
+        fd, offset, nbytes = self._handed.popleft()
+        try:
+            self._check_size(n, nbytes)
+            return shm_handover.map_received(fd, offset, nbytes, f"shm recv from {self._peer}")
+        finally:
+            os.close(fd)
 
     def _pinned(self) -> int:
         """How many of the peer's segments are in flight to, or held by, this side."""
@@ -350,22 +372,8 @@ class ShmTransport(Transport):
     def close(self) -> None:
         self._closed = True
         self._signals.close()
-
-
-class ShmWaiter:
-    """One thread's wait on many shared-memory transports at once (a selector's): one
-    spin over all their rings, then one ``poll`` of all their sockets. A transport whose
-    peer is seen gone is marked lost, and the wait returns so that it is read (and
-    raises)."""
-
-    def __init__(self) -> None:
-        self._spin = Spin()
-
-    def wait(
-        self, transports: Sequence[ShmTransport], deadline: float | None,
-        wake_fds: Sequence[int],
-    ) -> bool:
-        return wait_for_data(list(transports), deadline, wake_fds, self._spin, mark_lost=True)
+        while self._handed:
+            os.close(self._handed.popleft()[0])
 
 
 def _shm(setup: registry.TransportSetup) -> ShmTransport:

@@ -24,7 +24,6 @@ This module is the source's side and the protocol; the receiver's side is
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
@@ -38,7 +37,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from rlcomm.comm.transports.shm_memory import POOL_BYTES
+from rlcomm.comm.transports import shm_handover
+from rlcomm.comm.transports.shm_memory import POOL_BYTES, sealed_memfd
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
@@ -52,12 +52,18 @@ MAX_INLINE_FRAME = 32 << 10
 #: Alignment of the frame's end and of each payload tensor in a slot.
 ALIGN = 64
 NO_SLOT = 0xFFFFFFFF
+#: The "slot" of a message whose payload is handed-over memory
+#: (:mod:`~rlcomm.comm.transports.shm_handover`): each tensor's memfd rides along, and a
+#: :data:`HANDED_RANGE` per tensor follows the frame.
+HANDED_SLOT = 0xFFFFFFFE
+HANDED_RANGE = struct.Struct("<QQ")  # offset, bytes
+#: Most handed-over tensors one message may carry (the kernel passes at most 253 fds).
+MAX_HANDED = 250
 MESSAGE = struct.Struct("<QIIQQ")  # seq, slot, fd follows, slot bytes, frame bytes
 MEMBER_INDEX = struct.Struct("<I")
 _CRED = struct.Struct("3i")  # pid, uid, gid
 FLAGS_BYTES = 4096
 FD_SPACE = socket.CMSG_SPACE(4)
-_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
 
 def _align(n: int) -> int:
@@ -86,31 +92,21 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _sealed_memfd(name: str, size: int) -> int:
-    """A memfd of ``size`` bytes that can no longer shrink or grow (so a receiver's
-    mapping can never run past its end)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | getattr(fcntl, "F_SEAL_SEAL", 1))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def checked_size(fd: int, what: str) -> int:
-    """The size of a received memfd, after checking that it is sealed against shrinking."""
-    seals = fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034))
-    if seals & _SEALS != _SEALS:
-        raise AuthenticationError(f"{what}: the source passed a memfd that is not sealed")
-    return os.fstat(fd).st_size
+def _handed_over(frame: bytes, payload: Sequence[torch.Tensor]) -> list[tuple[int, int, int]] | None:
+    """``(fd, offset, nbytes)`` of every payload tensor when all of them are handed-over
+    memory and the message fits one datagram; else None (the payload is copied)."""
+    if not payload or len(payload) > MAX_HANDED or len(frame) > MAX_INLINE_FRAME:
+        return None
+    if not shm_handover.has_blocks():
+        return None
+    handed = [shm_handover.find(t) for t in payload]
+    return None if any(h is None for h in handed) else handed  # type: ignore[return-value]
 
 
 class _Slot:
     def __init__(self, index: int, size: int):
         self.index, self.size = index, size
-        self.fd = _sealed_memfd("rlcomm-bcast", size)
+        self.fd = sealed_memfd("rlcomm-bcast", size)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self.mm = mmap.mmap(self.fd, size, flags=flags)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
@@ -191,7 +187,7 @@ class FanoutSource:
             raise AuthenticationError(
                 f"process {pid} (uid {uid}) claims to be receiver {member}"
             )
-        flags_fd = _sealed_memfd("rlcomm-bcast-flags", FLAGS_BYTES)
+        flags_fd = sealed_memfd("rlcomm-bcast-flags", FLAGS_BYTES)
         try:
             socket.send_fds(conn, [b"ok"], [flags_fd])
             link = _Link(member, conn, flags_fd)
@@ -255,7 +251,10 @@ class FanoutSource:
         gone, or whose socket stayed full until ``deadline``); the others got it."""
         failures: dict[int, Exception] = {}
         slot = None
-        if payload or len(frame) > MAX_INLINE_FRAME:
+        handed = _handed_over(frame, payload)
+        if handed is not None:
+            payload = ()
+        elif payload or len(frame) > MAX_INLINE_FRAME:
             offsets, need = payload_offsets(len(frame), [t.numel() for t in payload])
             slot = self._free_slot(need, deadline)
             slot.mm[: len(frame)] = frame
@@ -266,7 +265,10 @@ class FanoutSource:
                 failures[member] = PeerLostError(f"{self._label}: receiver {member} is gone")
                 continue
             try:
-                self._send(link, seq, frame, slot, deadline)
+                if handed is not None:
+                    self._send_handed(link, seq, frame, handed, deadline)
+                else:
+                    self._send(link, seq, frame, slot, deadline)
             except OSError as exc:
                 if slot is not None:
                     link.flags[slot.index] = 0
@@ -298,6 +300,21 @@ class FanoutSource:
                 link.sent.add(slot.index)
             else:
                 link.sock.send(msg)
+        finally:
+            if link.alive:
+                link.sock.settimeout(None)
+
+    def _send_handed(
+        self, link: _Link, seq: int, frame: bytes, handed: list[tuple[int, int, int]],
+        deadline: float,
+    ) -> None:
+        """One datagram: the message, the frame, each tensor's range; its fds beside."""
+        msg = MESSAGE.pack(seq, HANDED_SLOT, len(handed), 0, len(frame)) + frame + b"".join(
+            HANDED_RANGE.pack(offset, nbytes) for _, offset, nbytes in handed
+        )
+        link.sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            socket.send_fds(link.sock, [msg], [fd for fd, _, _ in handed])
         finally:
             if link.alive:
                 link.sock.settimeout(None)

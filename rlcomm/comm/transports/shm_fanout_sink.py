@@ -19,30 +19,45 @@ import numpy as np
 import torch
 
 from rlcomm.comm.transports.shm_fanout import (
-    FD_SPACE,
     FLAGS_BYTES,
+    HANDED_RANGE,
+    HANDED_SLOT,
+    MAX_HANDED,
     MAX_INLINE_FRAME,
     MEMBER_INDEX,
     MESSAGE,
     NO_SLOT,
-    checked_size,
     payload_offsets,
     peer_credentials,
 )
+from rlcomm.comm.transports.shm_handover import map_received
+from rlcomm.comm.transports.shm_memory import checked_size
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+
+#: Room for the most fds a handed-over message carries.
+_HANDED_FD_SPACE = socket.CMSG_SPACE(4 * MAX_HANDED)
 
 
 class FanoutMessage:
     """A received message: its sequence number, frame, and the slot's view (or None)."""
 
-    def __init__(self, seq: int, frame: bytes, segment: torch.Tensor | None):
+    def __init__(self, seq: int, frame: bytes, segment: torch.Tensor | None,
+                 handed: list[torch.Tensor] | None = None):
         self.seq, self.frame, self.segment = seq, frame, segment
+        self.handed = handed  # views of handed-over memory, one per payload tensor
 
     def payload(self, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Views of the payload tensors of ``sizes`` bytes in the slot (checked against
         the slot's size before any view is made)."""
         if not sizes:
             return []
+        if self.handed is not None:
+            if [t.numel() for t in self.handed] != list(sizes):
+                raise PeerLostError(
+                    f"a broadcast declares payloads of {list(sizes)} bytes but hands over "
+                    f"{[t.numel() for t in self.handed]}"
+                )
+            return self.handed
         offsets, need = payload_offsets(len(self.frame), sizes)
         if self.segment is None or need > self.segment.numel():
             have = 0 if self.segment is None else self.segment.numel()
@@ -108,7 +123,8 @@ class FanoutSink:
             raise CommTimeoutError(f"{self._label}: nothing arrived in time")
         try:
             data, ancillary, _, _ = self._sock.recvmsg(
-                MESSAGE.size + MAX_INLINE_FRAME, FD_SPACE, socket.MSG_DONTWAIT
+                MESSAGE.size + MAX_INLINE_FRAME + MAX_HANDED * HANDED_RANGE.size,
+                _HANDED_FD_SPACE, socket.MSG_DONTWAIT
             )
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
@@ -136,6 +152,8 @@ class FanoutSink:
             if len(frame) != frame_len:
                 raise PeerLostError(f"{self._label}: a truncated frame")
             return FanoutMessage(seq, frame, None)
+        if slot == HANDED_SLOT:
+            return self._handed(seq, data[MESSAGE.size :], has_fd, frame_len, fds)
         if slot >= FLAGS_BYTES:
             raise PeerLostError(f"{self._label}: slot {slot} out of range")
         if has_fd:
@@ -159,6 +177,18 @@ class FanoutSink:
         arr = np.frombuffer(mm, dtype=np.uint8)
         weakref.finalize(arr, _release, self._flags, slot)
         return FanoutMessage(seq, frame, torch.from_numpy(arr))
+
+    def _handed(self, seq: int, rest: bytes, count: int, frame_len: int,
+                fds: list[int]) -> FanoutMessage:
+        """A message whose ``count`` payload tensors are handed-over memfds."""
+        if len(fds) != count or len(rest) != frame_len + count * HANDED_RANGE.size:
+            raise PeerLostError(f"{self._label}: a malformed handed-over message")
+        views = [
+            map_received(fd, *HANDED_RANGE.unpack_from(rest, frame_len + k * HANDED_RANGE.size),
+                         self._label)
+            for k, fd in enumerate(fds)
+        ]
+        return FanoutMessage(seq, rest[:frame_len], None, views)
 
     def close(self) -> None:
         self._sock.close()

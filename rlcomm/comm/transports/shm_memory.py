@@ -10,6 +10,7 @@ sender keeps its segments in a :class:`SegmentPool`.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rlcomm.errors import AuthenticationError
 from rlcomm.settings import get_settings
 
 #: Bytes of each direction's ring (payloads below the segment threshold, descriptors).
@@ -31,6 +33,8 @@ MAX_SEGMENTS = 1024
 CTRL_BYTES = 4096
 #: Byte offsets in the control block: the counters and flags, then the segment states.
 HEAD, TAIL, WAITING, SLEEPING, STATES = 0, 8, 16, 24, 1024
+#: The seals of a memfd another process maps: it can neither shrink nor grow.
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
 
 def map_fd(fd: int, size: int) -> mmap.mmap:
@@ -44,6 +48,27 @@ def new_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
     fd = os.memfd_create(name, getattr(os, "MFD_CLOEXEC", 0))
     os.ftruncate(fd, size)
     return fd, map_fd(fd, size)
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes that can no longer shrink or grow (so a receiver's
+    mapping can never run past its end)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | getattr(fcntl, "F_SEAL_SEAL", 1))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def checked_size(fd: int, what: str) -> int:
+    """The size of a received memfd, after checking that it is sealed against shrinking."""
+    seals = fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034))
+    if seals & _SEALS != _SEALS:
+        raise AuthenticationError(f"{what}: the source passed a memfd that is not sealed")
+    return os.fstat(fd).st_size
 
 
 class Ring:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rlcomm.comm.transports import shm_handover
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
     HEAD,
@@ -27,7 +28,9 @@ from rlcomm.errors import CommTimeoutError
 
 #: A ring record's head: kind, segment id, nbytes.
 RECORD = struct.Struct("<IIQ")
-INLINE, SEGMENT, FRAME = 1, 2, 3
+INLINE, SEGMENT, FRAME, HANDED_RECORD = 1, 2, 3, 4
+#: Where a payload tensor's memory is handed over: ``(fd, offset, nbytes)``, else None.
+HandedOver = tuple[int, int, int] | None
 
 
 class RingWriter:
@@ -112,8 +115,18 @@ class RingWriter:
             self._wait_token(deadline)
         words[WAITING // 8] = 0
 
+    @staticmethod
+    def handed_over(payload: Sequence[torch.Tensor]) -> list[HandedOver] | None:
+        """Where each payload tensor's memory is handed over (None: none is)."""
+        if not payload or not shm_handover.has_blocks():
+            return None
+        handed = [shm_handover.find(t) if t.numel() >= SEGMENT_THRESHOLD else None
+                  for t in payload]
+        return handed if any(handed) else None
+
     def reserve(
-        self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float
+        self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float,
+        handed: Sequence[HandedOver] | None = None,
     ) -> list[Segment | None]:
         """Before a message is written: take a segment for each large tensor and wait
         for ring space for the rest, so that writing it cannot stall on a receiver that
@@ -122,7 +135,8 @@ class RingWriter:
         A message too large for that (more large tensors than half the segments in
         flight, or more ring bytes than the ring) is written as it goes instead."""
         sizes = [t.numel() for t in payload]
-        large = [i for i, n in enumerate(sizes) if n >= SEGMENT_THRESHOLD]
+        large = [i for i, n in enumerate(sizes)
+                 if n >= SEGMENT_THRESHOLD and not (handed and handed[i])]
         segments: list[Segment | None] = [None] * len(sizes)
         in_ring = frame_bytes + RECORD.size * len(sizes) + sum(
             n for n in sizes if n < SEGMENT_THRESHOLD
@@ -153,9 +167,18 @@ class RingWriter:
     def send_payload(
         self, tensors: Sequence[torch.Tensor], deadline: float,
         segments: Sequence[Segment | None] | None = None,
+        handed: Sequence[HandedOver] | None = None,
     ) -> None:
+        if handed is None and segments is None:
+            handed = self.handed_over(tensors)
         for k, t in enumerate(tensors):
             n = t.numel()
+            block = handed[k] if handed else None
+            if block is not None:  # only the fd travels
+                fd, offset, nbytes = block
+                self._signals.send_handed(fd, offset, nbytes, deadline)
+                self.write(RECORD.pack(HANDED_RECORD, 0, n), deadline)
+                continue
             seg = segments[k] if segments else None
             if seg is None and n >= SEGMENT_THRESHOLD:
                 seg = self._pool.take(n, deadline)

@@ -21,7 +21,12 @@ import uuid
 
 import torch.distributed as dist
 
-from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+from rlcomm.errors import (
+    AuthenticationError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolMismatchError,
+)
 
 logger = logging.getLogger(__name__)
 _CRED = struct.Struct("3i")  # pid, uid, gid
@@ -30,6 +35,10 @@ _TOKEN = b"t"
 _FD_BYTES = 4  # a C int
 _FD_SPACE = socket.CMSG_SPACE(_FD_BYTES)  # room for one file descriptor per message
 _SEGMENT = struct.Struct("<IQ")  # segment id, size: the data of an fd message after b"f"
+_HANDED = struct.Struct("<QQ")  # offset, bytes: the data of an fd message after b"h"
+#: The segment id :meth:`SignalSockets.read` reports for a handed-over block
+#: (:mod:`~rlcomm.comm.transports.shm_handover`); its "size" is then ``(offset, nbytes)``.
+HANDED = -1
 
 
 def _seqpacket() -> socket.socket:
@@ -170,6 +179,18 @@ class SignalSockets:
         finally:
             self.out.settimeout(None)
 
+    def send_handed(self, fd: int, offset: int, nbytes: int, deadline: float) -> None:
+        """Pass a handed-over block's memfd, and the range of it that is sent, to the peer."""
+        try:
+            self.out.settimeout(max(0.01, deadline - time.monotonic()))
+            socket.send_fds(self.out, [b"h" + _HANDED.pack(offset, nbytes)], [fd])
+        except TimeoutError as exc:
+            raise CommTimeoutError(f"shm send to {self._peer} timed out") from exc
+        except OSError as exc:
+            raise self.lost("shm send") from exc
+        finally:
+            self.out.settimeout(None)
+
     def poller(self, sock: socket.socket, wake_fd: int | None = None) -> select.poll:
         """A cached poll object on ``sock`` (and ``wake_fd``)."""
         key = (sock.fileno(), wake_fd)
@@ -184,12 +205,13 @@ class SignalSockets:
 
     def read(
         self, sock: socket.socket, block: bool, deadline: float | None, what: str
-    ) -> tuple[bool, tuple[int, int, int] | None]:
-        """Read one message (a token or a segment fd) from ``sock``.
+    ) -> tuple[bool, tuple[int, int | tuple[int, int], int] | None]:
+        """Read one message (a token, a segment fd or a handed-over fd) from ``sock``.
 
         Returns:
             Whether a message was there, and ``(segment id, size, fd)`` when it was a
-            new segment (the caller maps and closes the fd).
+            new segment, ``(HANDED, (offset, nbytes), fd)`` for a handed-over block (the
+            caller maps and closes the fd).
         """
         if block:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -210,7 +232,17 @@ class SignalSockets:
         fds = _fds_of(ancillary) if ancillary else None
         if not fds:
             return True, None
-        seg_id, size = _SEGMENT.unpack(data[1 : 1 + _SEGMENT.size])
+        for extra in fds[1:]:
+            os.close(extra)
+        try:
+            if data[:1] == b"h":
+                return True, (HANDED, _HANDED.unpack(data[1 : 1 + _HANDED.size]), fds[0])
+            seg_id, size = _SEGMENT.unpack(data[1 : 1 + _SEGMENT.size])
+        except struct.error as exc:
+            os.close(fds[0])
+            raise ProtocolMismatchError(
+                f"{what} with {self._peer}: a malformed fd message; the connection is closed"
+            ) from exc
         return True, (seg_id, size, fds[0])
 
     def close(self) -> None:

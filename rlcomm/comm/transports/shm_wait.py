@@ -134,3 +134,19 @@ def wait_for_data(
     finally:
         for t in transports:
             t.set_sleeping(False)
+
+
+class ShmWaiter:
+    """One thread's wait on many shared-memory transports at once (a selector's): one
+    spin over all their rings, then one ``poll`` of all their sockets. A transport whose
+    peer is seen gone is marked lost, and the wait returns so that it is read (and
+    raises)."""
+
+    def __init__(self) -> None:
+        self._spin = Spin()
+
+    def wait(
+        self, transports: Sequence[ShmTransport], deadline: float | None,
+        wake_fds: Sequence[int],
+    ) -> bool:
+        return wait_for_data(transports, deadline, wake_fds, self._spin, mark_lost=True)
