@@ -1,16 +1,16 @@
 """``CommManager``: this process's connections and broadcast groups, made on first use.
 
 One manager per worker process, started with the worker. It owns the mailbox (and its
-reader thread), a small pool of handshake threads, and every :class:`Connection` and
-:class:`BroadcastGroup`. Peers are found through the registry actor once, then cached.
+reader thread), the :class:`~rlcomm.comm.handshake.Handshake` (and its small pool of
+threads), and every :class:`Connection` and :class:`BroadcastGroup`. Peers are found
+through the registry actor once, then cached. A send or receive on a live connection
+takes no lock of the manager's (the per-message path is a dict read).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
-import itertools
 import logging
 import threading
 import uuid
@@ -25,28 +25,21 @@ import torch.distributed as dist
 from rlcomm.comm import codec
 from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.handshake import Handshake, parse_address  # noqa: F401 - parse_address: the channel uses it from here
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.identity.registry import job_secret, registry
-from rlcomm.comm.options import CollectiveGroupOptions, default_timeout, op_timeout
+from rlcomm.comm.options import CollectiveGroupOptions, op_timeout
 from rlcomm.comm.rendezvous import (
     Endpoint,
     Mailbox,
-    Note,
-    connect_store,
     decode_endpoint,
     encode,
-    post,
 )
 from rlcomm.comm.store import sub_store
-from rlcomm.comm.transports.base import Transport
-from rlcomm.comm.transports.gloo import GlooTransport
-from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
     CommError,
-    CommTimeoutError,
     OptionsMismatchError,
-    PeerLostError,
     PeerNotFoundError,
     RlcommError,
 )
@@ -65,11 +58,6 @@ def _cuda_available() -> bool:
 def _ray_session() -> str:
     ctx = ray.get_runtime_context()
     return f"{ctx.gcs_address}/{ctx.get_job_id()}"
-
-
-def parse_address(text: str) -> WorkerAddress:
-    group, _, path = text.rpartition(":")
-    return WorkerAddress(group, tuple(int(p) for p in path.split(".")))
 
 
 class CommManager:
@@ -92,10 +80,9 @@ class CommManager:
         self._conns: dict[WorkerAddress, Connection] = {}
         self._bcast: dict[tuple[WorkerAddress, ...], BroadcastGroup] = {}
         self._endpoints: dict[WorkerAddress, Endpoint] = {}
-        self._attempts = itertools.count()
-        self._handshakes = concurrent.futures.ThreadPoolExecutor(16, "rlcomm-handshake")
         self._secret = job_secret()
-        self._mailbox = Mailbox(host, node_id, self._secret, self._on_note)
+        self._handshake = Handshake(self)
+        self._mailbox = Mailbox(host, node_id, self._secret, self._handshake.on_note)
         self.endpoint = self._mailbox.endpoint
         ray.get(registry().set_endpoint.remote(str(address), encode(self.endpoint)))
 
@@ -167,6 +154,11 @@ class CommManager:
 
     def connection(self, peer: WorkerAddress, options: CollectiveGroupOptions | None) -> Connection:
         """The connection with ``peer``, starting the handshake if there is none."""
+        # The per-message path: a dict read is atomic, so a live connection is found
+        # without the lock (one is never made for this worker's own address).
+        conn = self._conns.get(peer)
+        if conn is not None and conn.error is None:
+            return conn
         if peer == self.address:
             raise ValueError(f"{peer}: a worker cannot send to or receive from itself")
         with self._lock:
@@ -183,7 +175,7 @@ class CommManager:
             if conn is not None and conn.error is None:
                 return conn
             conn = self._new_connection(peer, options)
-        self._handshakes.submit(self._initiate, conn, peer, ep, options)
+        self._handshake.pool.submit(self._handshake.initiate, conn, peer, ep, options)
         return conn
 
     def _new_connection(
@@ -199,188 +191,6 @@ class CommManager:
             if self._conns.get(peer) is conn:
                 del self._conns[peer]
                 self._endpoints.pop(peer, None)
-
-    def _initiate(
-        self, conn: Connection, peer: WorkerAddress, ep: Endpoint,
-        options: CollectiveGroupOptions | None,
-    ) -> None:
-        try:
-            if self.address > peer:
-                self._request(conn, peer, ep, options)
-            else:
-                client = self._reach(peer, ep, op_timeout(options))
-                post(client, Note("invite", str(self.address), self.endpoint.incarnation))
-        except CommError as exc:
-            conn.fail(exc)
-        except Exception as exc:  # noqa: BLE001 - surfaces in the waiting op
-            conn.fail(PeerLostError(f"connecting to {peer} failed: {exc!r}"))
-
-    def _reach(self, peer: WorkerAddress, ep: Endpoint, timeout: float) -> dist.Store:
-        try:
-            return connect_store(ep.host, ep.port, self._secret, timeout)
-        except PeerLostError as exc:
-            raise PeerLostError(
-                f"cannot reach {peer} at {ep.host}:{ep.port}: its process is gone"
-            ) from exc
-        except CommError as exc:
-            raise type(exc)(f"cannot reach {peer} at {ep.host}:{ep.port}: {exc}") from exc
-
-    def _request(
-        self, conn: Connection, peer: WorkerAddress, ep: Endpoint,
-        options: CollectiveGroupOptions | None,
-    ) -> None:
-        timeout = op_timeout(options)
-        prefix = (
-            f"pair/{peer}/{self.address}/{ep.incarnation}/{self.endpoint.incarnation}/"
-            f"{next(self._attempts)}"
-        )
-        client = self._reach(peer, ep, timeout)
-        fields = options.group_fields() if options is not None else None
-        post(client, Note("request", str(self.address), self.endpoint.incarnation, prefix, fields))
-        try:
-            client.wait([f"{prefix}/reply"])
-        except Exception as exc:  # noqa: BLE001
-            raise CommTimeoutError(
-                f"{peer} did not answer the connection request within {timeout}s"
-            ) from exc
-        reply = client.get(f"{prefix}/reply")
-        if reply.startswith(b"reject:"):
-            raise OptionsMismatchError(reply[len(b"reject:"):].decode())
-        conn.agreed_fields = _decode_fields(reply[len(b"ok:"):])
-        store = sub_store(client, prefix)
-        conn.attach(self._transport(store, 1, timeout, peer, ep, conn.agreed_fields), store, 1)
-
-    def _transport(
-        self, store: dist.Store, rank: int, timeout: float, peer: WorkerAddress, ep: Endpoint,
-        fields: dict | None,
-    ) -> Transport:
-        """Shared memory between workers of one node (unless the options ask for Gloo),
-        else Gloo. Both ends decide alike: same node ids, same agreed options."""
-        choice = (fields or {}).get("transport", "auto")
-        same_node = ep.node_id == self.endpoint.node_id and ep.host == self.endpoint.host
-        if choice == "shm" and not (same_node and SHM_SUPPORTED):
-            raise OptionsMismatchError(
-                f"transport='shm' needs both workers on one x86-64 node; {peer} is not"
-            )
-        if choice in ("auto", "shm") and same_node and SHM_SUPPORTED:
-            return ShmTransport(store, rank, timeout, str(peer), peer_pid=ep.pid)
-        return GlooTransport(
-            store, rank, timeout, str(peer), secret=self._secret, host=self.endpoint.host
-        )
-
-    def _on_note(self, note: Note) -> None:
-        if note.kind == "request":
-            self._handshakes.submit(self._guarded, self._accept, note)
-        elif note.kind == "invite":
-            self._handshakes.submit(self._guarded, self._on_invite, note)
-        else:
-            logger.warning("mailbox of %s: a note of unknown kind %r dropped",
-                           self.address, note.kind)
-
-    def _guarded(self, handler: Callable[[Note], None], note: Note) -> None:
-        """Run a note's handler on a handshake thread; a failure is logged, never lost."""
-        try:
-            handler(note)
-        except Exception:  # noqa: BLE001 - a bad note must not go unnoticed
-            logger.exception("%s: handling a %s note from %r failed",
-                             self.address, note.kind, note.sender)
-
-    def _sender_of(self, note: Note) -> tuple[WorkerAddress, Endpoint] | None:
-        """The note's sender and its registered endpoint, when the note's claims match
-        the registry (the sender's incarnation); else None (the note is dropped)."""
-        try:
-            peer = parse_address(note.sender)
-        except ValueError:
-            logger.warning("%s: a note names no valid sender (%r); dropped",
-                           self.address, note.sender)
-            return None
-        if peer == self.address:
-            logger.warning("%s: a note claims to come from this worker; dropped", self.address)
-            return None
-        try:
-            ep = self._endpoint(peer)
-            if ep.incarnation != note.incarnation:  # the cached one may be an old process
-                self._endpoints.pop(peer, None)
-                ep = self._endpoint(peer)
-        except CommError as exc:
-            logger.warning("%s: a %s note from %s, who is not registered (%s); dropped",
-                           self.address, note.kind, peer, exc)
-            return None
-        if ep.incarnation != note.incarnation:
-            logger.warning(
-                "%s: a %s note claims to come from %s incarnation %r, but the registry "
-                "knows incarnation %r; dropped", self.address, note.kind, peer,
-                note.incarnation, ep.incarnation,
-            )
-            return None
-        return peer, ep
-
-    def _on_invite(self, note: Note) -> None:
-        sender = self._sender_of(note)
-        if sender is None:
-            return
-        peer = sender[0]
-        with self._lock:
-            if peer in self._conns:
-                return  # connected or connecting already
-        try:
-            self.connection(peer, None)
-        except CommError as exc:
-            logger.warning("invite from %s could not be answered: %s", peer, exc)
-
-    def _accept(self, note: Note) -> None:
-        sender = self._sender_of(note)
-        if sender is None:
-            return
-        peer, ep = sender
-        expected = f"pair/{self.address}/{peer}/{self.endpoint.incarnation}/{ep.incarnation}/"
-        tail = note.prefix[len(expected):]
-        if not note.prefix.startswith(expected) or not tail.isdigit():
-            logger.warning("%s: a request from %s names a foreign prefix %r; dropped",
-                           self.address, peer, note.prefix)
-            return
-        try:
-            theirs = (
-                None if note.options is None
-                else CollectiveGroupOptions.from_group_fields(note.options).group_fields()
-            )
-        except (TypeError, ValueError) as exc:
-            logger.warning("%s: a request from %s has invalid options (%s); dropped",
-                           self.address, peer, exc)
-            return
-        timeout = default_timeout()
-        with self._lock:
-            old = self._conns.get(peer)
-            if old is not None and (old.attached or old.error is not None):
-                del self._conns[peer]  # forgotten here; failed below, outside the lock
-            else:
-                old = None
-            conn = self._conns.get(peer)
-            if conn is None:
-                conn = self._new_connection(peer, None)
-        if old is not None:
-            # Never under the lock: failing calls on_lost, which takes it again.
-            old.fail(PeerLostError(f"{peer} reconnected; the old connection is closed"))
-        mine = conn.requested_options
-        mine_fields = mine.group_fields() if mine is not None else None
-        client = self._mailbox.client(timeout)
-        reply_key = f"{note.prefix}/reply"
-        if mine_fields is not None and theirs is not None and mine_fields != theirs:
-            text = (
-                f"CollectiveGroupOptions differ between {self.address} ({mine_fields}) and "
-                f"{peer} ({theirs}); pass the same options on both ends"
-            )
-            client.set(reply_key, b"reject:" + text.encode())
-            conn.fail(OptionsMismatchError(text))
-            return
-        agreed = theirs if theirs is not None else mine_fields
-        conn.agreed_fields = agreed
-        client.set(reply_key, b"ok:" + _encode_fields(agreed))
-        store = sub_store(client, note.prefix)
-        try:
-            conn.attach(self._transport(store, 0, timeout, peer, ep, agreed), store, 0)
-        except CommError as exc:
-            conn.fail(exc)
 
     def _check_first_contact(
         self, conn: Connection, options: CollectiveGroupOptions | None, timeout: float
@@ -439,8 +249,9 @@ class CommManager:
                 if into is not None:
                     return conn.recv_tensor_into(ticket, into, timeout)
                 return conn.recv_object(ticket, timeout, device)
-            finally:
-                conn.release_ticket(ticket)  # a no-op once served
+            except BaseException:
+                conn.release_ticket(ticket)  # unless served: every early exit gives it up
+                raise
 
         if async_op:
             what = f"{'recv_tensor' if into is not None else 'recv'} at {self.address} from {src}"
@@ -495,7 +306,7 @@ class CommManager:
             leader = members[indices[0]]
             client = (
                 self._mailbox.client(timeout) if leader == self.address
-                else self._reach(leader, eps[indices[0]], timeout)
+                else self._handshake.reach(leader, eps[indices[0]], timeout)
             )
             return sub_store(client, f"bcast/{digest}")
 

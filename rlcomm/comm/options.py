@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from rlcomm.comm.transports import registry
 from rlcomm.settings import get_settings, update_settings
 
 #: RLinf's NCCL tuning fields: accepted, validated, ignored (see the class docstring).
@@ -16,7 +17,6 @@ _IGNORED_FIELDS = (
     "use_ring_broadcast",
 )
 
-_TRANSPORTS = ("auto", "gloo", "shm")
 
 
 def set_default_timeout(seconds: float) -> None:
@@ -44,7 +44,9 @@ class CollectiveGroupOptions:
             ``None`` takes the process default (:func:`default_timeout`). Unlike the
             other fields it applies per call and need not match between the ends.
         transport: CPU payload path: ``"auto"`` (shared memory between workers of one
-            node where available, else Gloo), ``"gloo"`` or ``"shm"`` (same node only).
+            node where available, else Gloo), ``"gloo"``, ``"shm"`` (same node only), or
+            the name of another registered CPU transport
+            (:mod:`~rlcomm.comm.transports.registry`).
 
     RLinf's fields are accepted too, so RLinf code that builds options runs unchanged.
     They tune an NCCL communicator (``ProcessGroupNCCL.Options``), which rlcomm does not
@@ -94,9 +96,10 @@ class CollectiveGroupOptions:
                 raise ValueError(f"CollectiveGroupOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"CollectiveGroupOptions.timeout must be > 0, got {self.timeout}")
-        if self.transport not in _TRANSPORTS:
+        choices = ("auto", *registry.names(registry.CPU))
+        if self.transport not in choices:
             raise ValueError(
-                f"CollectiveGroupOptions.transport must be one of {_TRANSPORTS}, "
+                f"CollectiveGroupOptions.transport must be one of {choices}, "
                 f"got {self.transport!r}"
             )
 

@@ -5,10 +5,12 @@ peers (a channel worker with one connection per client process) would then have 
 threads waiting, and on shared memory each waiting thread spins a moment before it
 sleeps: with few cores, spinners crowd out the threads doing the work. A selector reads
 a set of connections on one thread instead: it takes each connection's receiving role
-(as the receiver thread would, see :mod:`~rlcomm.comm.reading`), waits for data on all
-their shared-memory rings at once (one spin, one ``poll``; see
-:func:`~rlcomm.comm.transports.shm_wait.wait_for_data`), and reads whichever has a
-message, handing it to the connection's listener (or inbox).
+(as the receiver thread would, see :mod:`~rlcomm.comm.connection.reader`), waits for data
+on all their transports at once (a :class:`~rlcomm.comm.transports.base.PollableTransport`'s
+waiter: for shared memory one spin over all rings, one ``poll``), and reads whichever
+has a message, handing it to the connection's listener (or inbox). It waits on
+transports of one kind: the first pollable one it takes sets the kind; a connection of
+another kind goes back to its receiver thread.
 
 A receive op or pump that wants a selected connection's role asks for it as it would
 ask the receiver thread (the connection's wake pipe, which the selector polls too), and
@@ -26,10 +28,13 @@ import os
 import select
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from rlcomm.comm.reading import LINGER, StreamReader, drain
-from rlcomm.comm.transports.shm import ShmTransport
-from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
+from rlcomm.comm.connection.reader import LINGER, Reader, ReaderState, drain
+from rlcomm.comm.transports.base import PollableTransport, Waiter
+
+if TYPE_CHECKING:
+    from rlcomm.comm.connection import Connection
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +48,25 @@ class Selector:
 
     def __init__(self, name: str = "rlcomm-selector"):
         self._lock = threading.Lock()
-        self._conns: list[StreamReader] = []
+        self._conns: list[Reader] = []
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._spin = Spin()
+        self._kind: type | None = None  # the class of the transports it waits on
+        self._waiter: Waiter | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def add(self, conn: StreamReader) -> None:
-        """Read ``conn`` from now on (once its transport is known to be pollable)."""
+    def add(self, conn: Connection | Reader) -> None:
+        """Read ``conn`` (a connection, or its reader) from now on, once its transport is
+        known to be pollable."""
+        reader = conn if isinstance(conn, Reader) else conn.reader
         with self._lock:
             if self._closed:
                 raise RuntimeError("the selector is closed")
-            self._conns.append(conn)
-        conn.select_by(self)
+            self._conns.append(reader)
+        select_by(reader, self)
 
     def wake(self) -> None:
         """Make the thread look at its connections again (any thread may call it)."""
@@ -85,7 +93,7 @@ class Selector:
     # -- the thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        held: dict[StreamReader, ShmTransport] = {}
+        held: dict[Reader, PollableTransport] = {}
         try:
             while True:
                 with self._lock:
@@ -95,8 +103,7 @@ class Selector:
                 again = self._claim(conns, held)
                 self._wait(held, again)
                 for conn, transport in list(held.items()):
-                    has_data = transport.available() > 0 or transport.lost
-                    if conn.serve_for_selector(transport, has_data):
+                    if serve(conn, transport, transport.has_data()):
                         del held[conn]
         except Exception:  # noqa: BLE001 - say so loudly, then hand everything back
             logger.exception("selector thread failed; its connections go back to their "
@@ -106,13 +113,13 @@ class Selector:
                 self._closed = True
                 conns, self._conns = self._conns, []
             for conn in conns:
-                conn.release_selector(self, conn in held)
+                release(conn, self, conn in held)
             with self._lock:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_r = self._wake_w = -1
 
-    def _claim(self, conns: list[StreamReader], held: dict[StreamReader, ShmTransport]) -> bool:
+    def _claim(self, conns: list[Reader], held: dict[Reader, PollableTransport]) -> bool:
         """Take the roles that are free; drop connections it is done with. Returns whether
         a role could not be taken yet (look again within the linger time)."""
         again = False
@@ -120,27 +127,33 @@ class Selector:
         for conn in conns:
             if conn in held:
                 continue
-            got = conn.claim_for_selector(self)
+            got = claim(conn, self)
             if got is True:
                 done.append(conn)
             elif got is False:
                 again = True
-            elif isinstance(got, ShmTransport):
+            elif self._takes(got):
                 held[conn] = got
-            else:  # a pollable transport of another kind: not one this selector can wait on
-                conn.release_selector(self, holding=True)
+            else:  # a pollable transport of another kind: not one this selector waits on
+                release(conn, self, holding=True)
                 done.append(conn)
         if done:
             with self._lock:
                 self._conns = [c for c in self._conns if c not in done]
         return again
 
-    def _wait(self, held: dict[StreamReader, ShmTransport], again: bool) -> None:
+    def _takes(self, transport: PollableTransport) -> bool:
+        """Whether it waits on ``transport`` (the first one sets the kind)."""
+        if self._kind is None:
+            self._kind, self._waiter = type(transport), transport.waiter()
+        return type(transport) is self._kind
+
+    def _wait(self, held: dict[Reader, PollableTransport], again: bool) -> None:
         """Wait for data on a held connection, a wake-up, or (``again``) the linger time."""
         deadline = time.monotonic() + LINGER if again else None
         if held:
             wake_fds = [self._wake_r, *(conn.wake_fd for conn in held)]
-            if wait_for_data(list(held.values()), deadline, wake_fds, self._spin, mark_lost=True):
+            if self._waiter.wait(list(held.values()), deadline, wake_fds):  # type: ignore[union-attr]
                 return
         else:
             poller = select.poll()
@@ -150,3 +163,69 @@ class Selector:
         # end the next wait at once. A connection's wants are in its state, not its pipe.
         for fd in (self._wake_r, *(conn.wake_fd for conn in held)):
             drain(fd)
+
+
+# -- the selector's side of a reader (what the receiver thread does in .receiver) ---------
+
+
+def select_by(reader: Reader, selector: Selector) -> None:
+    """Let ``selector`` drive ``reader`` instead of its receiver thread (it keeps to
+    that once the transport is known to be pollable; else it lets go)."""
+    with reader.cond:
+        reader.selector = selector
+        if reader.state is ReaderState.DRIVER:
+            reader.poke(b"s")  # out of its poll: the receiver thread leaves the stream
+    selector.wake()
+
+
+def claim(reader: Reader, selector: Selector) -> PollableTransport | bool:
+    """Take the stream for ``selector`` if it may read now: the transport when taken;
+    False when not now (try again within :data:`LINGER`); True when the selector is
+    done with ``reader`` (it failed, or its transport cannot be polled)."""
+    with reader.cond:
+        transport = reader.transport
+        if reader.selector is not selector:
+            return True
+        if reader.error is not None:
+            reader.selector = None
+            reader.close_wake_pipe()  # its receiver thread left it to the selector
+            return True
+        if transport is None:
+            return False
+        if not reader.pollable:  # its receiver thread reads it
+            reader.selector = None
+            reader.driver_wake.notify()
+            return True
+        if not reader.driver_may_read():
+            return False
+        reader.state = ReaderState.DRIVER
+        return transport
+
+
+def serve(reader: Reader, transport: PollableTransport, has_data: bool) -> bool:
+    """The selector, holding the stream: read the next message if ``has_data``, then
+    leave the stream if the message goes to the inbox or somebody else wants it.
+    Returns whether it left."""
+    msg = reader.read_one(transport) if has_data else None
+    with reader.cond:
+        # A dispatched message leaves nothing to hand over: keep the stream unless it
+        # is wanted (the selector empties the wake pipes when woken).
+        if msg is None and not reader.wanting and reader.error is None and (
+            reader.selector is not None
+        ):
+            return False
+        reader.leave(msg, by_caller=False)
+        return True
+
+
+def release(reader: Reader, selector: Selector, holding: bool) -> None:
+    """``selector`` (``holding`` the stream or not) ends: the receiver thread reads
+    ``reader`` again."""
+    with reader.cond:
+        if reader.selector is selector:
+            reader.selector = None
+            if holding:
+                reader.leave(None, by_caller=False)
+            if reader.error is not None:
+                reader.close_wake_pipe()
+            reader.driver_wake.notify()

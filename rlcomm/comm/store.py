@@ -25,252 +25,42 @@ that client's connection.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import hmac
 import logging
 import os
 import socket
-import struct
 import threading
 import time
-from collections.abc import Callable
 
-import msgspec
 import torch.distributed as dist
 
+from rlcomm.comm.store_server import StoreServer, local_reader
+from rlcomm.comm.store_wire import (
+    HANDSHAKE_SECONDS,
+    MAC,
+    MAGIC,
+    NONCE,
+    OP_ADD,
+    OP_APPEND,
+    OP_CHECK,
+    OP_CSET,
+    OP_DELETE,
+    OP_GET,
+    OP_NUM_KEYS,
+    OP_SET,
+    OP_WAIT,
+    decode,
+    encode,
+    mac,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"RLCS1"
-_NONCE = 16
-_MAC = 32
-_LEN = struct.Struct("<I")
-#: Seconds a connecting client has to prove itself, and a started frame to arrive whole.
-HANDSHAKE_SECONDS = 10.0
-#: Connections allowed in their handshake at once (more are closed unanswered).
-MAX_PENDING = 64
-#: Largest request or reply frame (keys and values are small: addresses, notes, acks).
-MAX_FRAME = 16 << 20
-
-_SET, _GET, _ADD, _WAIT, _CHECK, _CSET, _DELETE, _NUM_KEYS, _APPEND = range(9)
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder().decode
-
-
-def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    """``n`` bytes from ``sock``; by ``deadline`` (monotonic) when given."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{n - len(buf)} bytes still missing at the deadline")
-            sock.settimeout(left)
-        else:
-            sock.settimeout(None)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the other end closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket, first_deadline: float | None) -> bytes:
-    """One length-prefixed frame: its length by ``first_deadline``, the rest within
-    :data:`HANDSHAKE_SECONDS` of the length."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, first_deadline))
-    if n > MAX_FRAME:
-        raise ValueError(f"a {n}-byte frame is over the {MAX_FRAME}-byte limit")
-    return _recv_exact(sock, n, time.monotonic() + HANDSHAKE_SECONDS)
-
-
-def _send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_LEN.pack(len(payload)) + payload)
-
-
-class _Table:
-    """The keys of one server, with waits on them (shared by its client threads)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-        self.cond = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self.cond:
-            self.data[key] = value
-            self.cond.notify_all()
-
-    def wait(self, keys: list[str], timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: all(k in self.data for k in keys), timeout)
-
-    def get(self, key: str, timeout: float) -> bytes | None:
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.data, timeout):
-                return None
-            return self.data[key]
-
-    def pop(self, key: str) -> bytes | None:
-        with self.cond:
-            return self.data.pop(key, None)
-
-    def add(self, key: str, amount: int) -> int:
-        with self.cond:
-            value = int(self.data.get(key, b"0")) + amount
-            self.data[key] = str(value).encode()
-            self.cond.notify_all()
-            return value
-
-    def append(self, key: str, value: bytes) -> None:
-        with self.cond:
-            self.data[key] = self.data.get(key, b"") + value
-            self.cond.notify_all()
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        with self.cond:
-            current = self.data.get(key)
-            if (current is None and not expected) or current == expected:
-                self.data[key] = desired
-                self.cond.notify_all()
-                return desired
-            return expected if current is None else current
-
-
-class StoreServer:
-    """The store server of this process (its mailbox), on ``host`` (see module docstring).
-
-    Args:
-        host: the node address to bind (never all interfaces).
-        secret: the job's secret; clients must prove they hold it.
-    """
-
-    def __init__(self, host: str, secret: bytes):
-        if not secret:
-            raise ValueError("StoreServer needs the job's secret")
-        self._secret = secret
-        self.table = _Table()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, 0), family=family, backlog=128)
-        self.host = host
-        self.port = self._listener.getsockname()[1]
-        self._pending = threading.BoundedSemaphore(MAX_PENDING)
-        self._clients: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self.rejected = 0  # connections that failed the handshake (for tests and logs)
-        threading.Thread(target=self._accept_loop, name="rlcomm-store", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return  # closed
-            if not self._pending.acquire(blocking=False):
-                logger.warning("store %s:%s: too many handshakes at once; %s closed",
-                               self.host, self.port, addr)
-                sock.close()
-                continue
-            threading.Thread(
-                target=self._serve, args=(sock, addr), name="rlcomm-store-client", daemon=True
-            ).start()
-
-    def _handshake(self, sock: socket.socket) -> bool:
-        deadline = time.monotonic() + HANDSHAKE_SECONDS
-        nonce = os.urandom(_NONCE)
-        sock.sendall(_MAGIC + nonce)
-        reply = _recv_exact(sock, len(_MAGIC) + _NONCE + _MAC, deadline)
-        theirs = reply[len(_MAGIC) : len(_MAGIC) + _NONCE]
-        proof = reply[len(_MAGIC) + _NONCE :]
-        if reply[: len(_MAGIC)] != _MAGIC or not hmac.compare_digest(
-            proof, _mac(self._secret, b"client", nonce, theirs)
-        ):
-            return False
-        sock.sendall(_mac(self._secret, b"server", theirs, nonce))
-        return True
-
-    def _serve(self, sock: socket.socket, addr: object) -> None:
-        try:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                ok = self._handshake(sock)
-            except (OSError, ValueError) as exc:
-                ok = False
-                logger.warning("store %s:%s: handshake with %s failed: %s",
-                               self.host, self.port, addr, exc)
-            finally:
-                self._pending.release()
-            if not ok:
-                with self._lock:
-                    self.rejected += 1
-                logger.warning(
-                    "store %s:%s: a connection from %s did not prove it belongs to this "
-                    "job; closed unanswered", self.host, self.port, addr,
-                )
-                return
-            with self._lock:
-                if self._closed:
-                    return
-                self._clients.add(sock)
-            while True:
-                request = _decode(_recv_frame(sock, None))
-                _send_frame(sock, _encode(self._apply(request)))
-        except (OSError, ValueError, TypeError, msgspec.DecodeError) as exc:
-            if not self._closed and not isinstance(exc, ConnectionError):
-                logger.debug("store %s:%s: client %s dropped: %r", self.host, self.port, addr, exc)
-        finally:
-            with self._lock:
-                self._clients.discard(sock)
-            sock.close()
-
-    def _apply(self, request: list) -> list:
-        """Run one request of an authenticated client: ``[op, ...]`` -> ``[ok, value]``."""
-        op, args = request[0], request[1:]
-        table = self.table
-        if op == _SET:
-            table.set(str(args[0]), bytes(args[1]))
-            return [True, None]
-        if op == _GET:
-            value = table.get(str(args[0]), float(args[1]))
-            return [value is not None, value]
-        if op == _ADD:
-            return [True, table.add(str(args[0]), int(args[1]))]
-        if op == _WAIT:
-            return [table.wait([str(k) for k in args[0]], float(args[1])), None]
-        if op == _CHECK:
-            with table.cond:
-                return [True, all(str(k) in table.data for k in args[0])]
-        if op == _CSET:
-            return [True, table.compare_set(str(args[0]), bytes(args[1]), bytes(args[2]))]
-        if op == _DELETE:
-            return [True, table.pop(str(args[0])) is not None]
-        if op == _NUM_KEYS:
-            with table.cond:
-                return [True, len(table.data)]
-        if op == _APPEND:
-            table.append(str(args[0]), bytes(args[1]))
-            return [True, None]
-        raise ValueError(f"unknown store op {op!r}")
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            clients, self._clients = list(self._clients), set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
-        except OSError:
-            pass
-        self._listener.close()
-        for sock in clients:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+__all__ = ["StoreClient", "StoreServer", "local_reader", "sub_store"]
 
 
 class _Link:
@@ -282,20 +72,20 @@ class _Link:
         deadline = time.monotonic() + min(timeout, HANDSHAKE_SECONDS)
         self.sock = _connect(host, port, timeout)
         try:
-            hello = _recv_exact(self.sock, len(_MAGIC) + _NONCE, deadline)
-            if hello[: len(_MAGIC)] != _MAGIC:
+            hello = recv_exact(self.sock, len(MAGIC) + NONCE, deadline)
+            if hello[: len(MAGIC)] != MAGIC:
                 raise AuthenticationError(f"{self.where} is not an rlcomm store")
-            theirs = hello[len(_MAGIC) :]
-            mine = os.urandom(_NONCE)
-            self.sock.sendall(_MAGIC + mine + _mac(secret, b"client", theirs, mine))
-            proof = _recv_exact(self.sock, _MAC, deadline)
+            theirs = hello[len(MAGIC) :]
+            mine = os.urandom(NONCE)
+            self.sock.sendall(MAGIC + mine + mac(secret, b"client", theirs, mine))
+            proof = recv_exact(self.sock, MAC, deadline)
         except (OSError, TimeoutError) as exc:
             self.sock.close()
             raise AuthenticationError(
                 f"the store at {self.where} refused this process's credentials or did "
                 f"not answer ({exc.__class__.__name__}): is it a worker of another job?"
             ) from exc
-        if not hmac.compare_digest(proof, _mac(secret, b"server", mine, theirs)):
+        if not hmac.compare_digest(proof, mac(secret, b"server", mine, theirs)):
             self.sock.close()
             raise AuthenticationError(
                 f"the store at {self.where} did not prove it belongs to this job"
@@ -304,13 +94,13 @@ class _Link:
     def call(self, request: list, timeout: float) -> list:
         with self.lock:
             try:
-                _send_frame(self.sock, _encode(request))
+                send_frame(self.sock, encode(request))
                 # The server answers a wait at its own deadline; allow it a margin.
-                reply = _recv_frame(self.sock, time.monotonic() + timeout + HANDSHAKE_SECONDS)
+                reply = recv_frame(self.sock, time.monotonic() + timeout + HANDSHAKE_SECONDS)
             except (OSError, TimeoutError, ValueError) as exc:
                 self.close()
                 raise PeerLostError(f"the store at {self.where} is gone: {exc!r}") from exc
-            return _decode(reply)
+            return decode(reply)
 
     def close(self) -> None:
         try:
@@ -394,34 +184,34 @@ class StoreClient(dist.Store):
         return value.encode() if isinstance(value, str) else bytes(value)
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._call([_SET, self._key(key), self._bytes(value)])
+        self._call([OP_SET, self._key(key), self._bytes(value)])
 
     def get(self, key: str) -> bytes:
-        return self._call([_GET, self._key(key), self._timeout_s])  # type: ignore[return-value]
+        return self._call([OP_GET, self._key(key), self._timeout_s])  # type: ignore[return-value]
 
     def add(self, key: str, amount: int) -> int:
-        return self._call([_ADD, self._key(key), int(amount)])  # type: ignore[return-value]
+        return self._call([OP_ADD, self._key(key), int(amount)])  # type: ignore[return-value]
 
     def append(self, key: str, value: bytes | str) -> None:
-        self._call([_APPEND, self._key(key), self._bytes(value)])
+        self._call([OP_APPEND, self._key(key), self._bytes(value)])
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         seconds = self._timeout_s if timeout is None else timeout.total_seconds()
-        self._call([_WAIT, [self._key(k) for k in keys], seconds], seconds)
+        self._call([OP_WAIT, [self._key(k) for k in keys], seconds], seconds)
 
     def check(self, keys: list[str]) -> bool:
-        return self._call([_CHECK, [self._key(k) for k in keys]])  # type: ignore[return-value]
+        return self._call([OP_CHECK, [self._key(k) for k in keys]])  # type: ignore[return-value]
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         return self._call(  # type: ignore[return-value]
-            [_CSET, self._key(key), self._bytes(expected), self._bytes(desired)]
+            [OP_CSET, self._key(key), self._bytes(expected), self._bytes(desired)]
         )
 
     def delete_key(self, key: str) -> bool:
-        return self._call([_DELETE, self._key(key)])  # type: ignore[return-value]
+        return self._call([OP_DELETE, self._key(key)])  # type: ignore[return-value]
 
     def num_keys(self) -> int:
-        return self._call([_NUM_KEYS])  # type: ignore[return-value]
+        return self._call([OP_NUM_KEYS])  # type: ignore[return-value]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
@@ -444,19 +234,3 @@ def sub_store(store: dist.Store, prefix: str) -> dist.Store:
     if isinstance(store, StoreClient):
         return store.prefixed(prefix)
     return dist.PrefixStore(prefix, store)
-
-
-def local_reader(
-    server: StoreServer, stop: threading.Event
-) -> Callable[[str, float], bytes | None]:
-    """``read(key, timeout)``: take a key out of ``server``'s own table when it appears
-    (None on timeout, or at once once ``stop`` is set and the table's condition is
-    notified). The mailbox reads its notes this way, without a connection."""
-    table = server.table
-
-    def read(key: str, timeout: float) -> bytes | None:
-        with table.cond:
-            table.cond.wait_for(lambda: key in table.data or stop.is_set(), timeout)
-            return table.data.pop(key, None)
-
-    return read

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.transports.base import Transport
+from rlcomm.comm.transports.registry import PairFacts
 from rlcomm.comm.transports.shm import ShmTransport
 
 
@@ -45,8 +46,8 @@ def connection_pair(
     """Two attached connections over a ``kind`` transport: ``(rank 0 end, rank 1 end)``."""
     ends = transport_pair(stores, prefix, kind)
     a, b = Connection("b"), Connection("a")
-    for rank, conn in enumerate((a, b)):
-        conn.attach(ends[rank], dist.PrefixStore(prefix, stores[rank]), rank)
+    for rank, conn in enumerate((a, b)):  # both ends in this process: one node
+        conn.attach(ends[rank], dist.PrefixStore(prefix, stores[rank]), rank, PairFacts(True))
     return a, b
 
 

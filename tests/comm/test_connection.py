@@ -1,5 +1,7 @@
-"""``Connection`` over a real shared-memory pair in one process: who reads the stream
-(a waiting receive op, the receiver thread, a pump) and the listener mode."""
+"""``Connection`` over a real transport pair in one process: who reads the stream (a
+waiting receive op, the receiver thread, a pump) and the listener mode. Every test runs
+over shared memory and over the loopback-TCP transport of the registry's proof
+(:mod:`tests.comm.tcp_loopback`)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,25 @@ import pytest
 import torch
 
 from rlcomm.comm import codec
-from rlcomm.comm.transports.shm import SHM_SUPPORTED
+from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.errors import PeerLostError
-from tests.comm.pairs import receive, send, send_past_the_ring
+from tests.comm.pairs import connection_pair, receive, send, send_past_the_ring, two_stores
+from tests.comm.tcp_loopback import TcpLoopbackTransport
 
-pytestmark = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
+KINDS = [
+    pytest.param(ShmTransport, id="shm", marks=pytest.mark.skipif(
+        not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")),
+    pytest.param(TcpLoopbackTransport, id="tcp_loopback"),
+]
+
+
+@pytest.fixture(params=KINDS)
+def conns(request):
+    """An attached connection pair over each transport: (rank 0 end, rank 1 end)."""
+    a, b = connection_pair(two_stores(), "c", request.param)
+    yield a, b
+    a.close()
+    b.close()
 
 
 def test_receive_ops_and_the_receiver_thread_share_the_stream(conns):

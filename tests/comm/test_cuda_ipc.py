@@ -6,6 +6,7 @@ connection's wiring) run on CPU; the worker tests need a CUDA device.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -19,20 +20,18 @@ from rlcomm import (
     PackedPlacementStrategy,
     Worker,
 )
-from rlcomm.comm import connection as connection_module
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.identity.address import WorkerAddress
-from rlcomm.comm.transports import cuda_ipc
-from rlcomm.comm.transports.cuda_ipc import (
+from rlcomm.comm.transports import gpus, registry
+from rlcomm.comm.transports.cuda_ipc import CudaIpcTransport
+from rlcomm.comm.transports.cuda_ipc_board import (
     ALIGN,
-    CudaIpcTransport,
     Offer,
     OfferBoard,
     byte_views,
-    choose_cuda_transport,
-    exchange_gpu_uuids,
     payload_layout,
 )
+from rlcomm.comm.transports.gpus import exchange_gpu_uuids
 from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.errors import CommTimeoutError, PeerLostError, ProtocolMismatchError
 
@@ -62,17 +61,17 @@ def _offer(**changes) -> Offer:
 
 
 @pytest.mark.parametrize(
-    ("cpu", "mine", "theirs", "expected"),
+    ("same_node", "mine", "theirs", "expected"),
     [
-        ("shm", "GPU-a", "GPU-a", "cuda_ipc"),  # one GPU of one node
-        ("shm", "GPU-a", "GPU-b", "nccl"),  # two GPUs of one node
-        ("gloo", "GPU-a", "GPU-a", "nccl"),  # frames over Gloo: not known to share a node
-        ("gloo", "GPU-a", "GPU-b", "nccl"),
+        (True, "GPU-a", "GPU-a", "cuda_ipc"),  # one GPU of one node
+        (True, "GPU-a", "GPU-b", "nccl"),  # two GPUs of one node
+        (False, "GPU-a", "GPU-b", "nccl"),  # two nodes
     ],
 )
-def test_choice_of_cuda_transport(cpu, mine, theirs, expected):
-    assert choose_cuda_transport(cpu, mine, theirs) == expected
-    assert choose_cuda_transport(cpu, theirs, mine) == expected  # both ends decide alike
+def test_choice_of_cuda_transport(same_node, mine, theirs, expected):
+    for a, b in ((mine, theirs), (theirs, mine)):  # both ends decide alike
+        facts = registry.PairFacts(same_node=same_node, same_gpu=a == b)
+        assert registry.select(facts, registry.CUDA).name == expected
 
 
 def test_gpu_uuids_are_swapped_through_the_store(stores):
@@ -203,6 +202,7 @@ def test_transports_of_both_ends_meet_on_their_cloned_stores(stores):
 
 class _FakeNccl:
     name = "nccl"
+    close_on_teardown = False
 
     def __init__(self, store, rank, timeout, peer, device):
         self.rank = rank
@@ -211,8 +211,13 @@ class _FakeNccl:
 def _choose_both(conns, uuids: dict[str, str], monkeypatch) -> list:
     """Both ends make their CUDA transport at once, their GPUs faked by ``uuids``
     (device name -> UUID; the two ends ask for cuda:0 and cuda:1)."""
-    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: uuids[str(device)])
-    monkeypatch.setattr(connection_module, "NcclTransport", _FakeNccl)
+    monkeypatch.setattr(gpus, "gpu_uuid", lambda device: uuids[str(device)])
+    fake = dataclasses.replace(
+        registry.spec("nccl"), factory=lambda setup: _FakeNccl(
+            setup.store, setup.rank, setup.timeout, setup.peer, setup.device
+        ),
+    )
+    monkeypatch.setitem(registry._specs, "nccl", fake)
     a, b = conns
     got: list = [None, None]
 
@@ -243,7 +248,7 @@ def test_connection_takes_nccl_on_two_gpus(conns, monkeypatch):
 
 @needs_shm
 def test_connection_choice_times_out_without_the_peer(conns, monkeypatch):
-    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-same")
+    monkeypatch.setattr(gpus, "gpu_uuid", lambda device: "GPU-same")
     a, _ = conns
     with pytest.raises(CommTimeoutError, match="with b: the peer did not start"):
         a._cuda_transport(torch.device("cuda", 0), 0.5)

@@ -17,7 +17,7 @@ import torch
 
 import rlcomm
 from rlcomm import AuthenticationError, NodePlacementStrategy, ProtocolMismatchError, Worker
-from rlcomm.comm.transports import shm, shm_handover
+from rlcomm.comm.transports import shm, shm_handover, shm_ring
 from rlcomm.comm.transports.shm_memory import sealed_memfd
 from tests.comm.pairs import transport_pair, two_stores
 
@@ -127,9 +127,10 @@ def test_small_and_mixed_payloads_keep_the_copying_path(ends):
 def _forge(sender: shm.ShmTransport, fd: int, offset: int, nbytes: int) -> None:
     """Write a handed-over record the way a hostile peer of this user could."""
     socket.send_fds(sender._signals.out, [b"h" + struct.pack("<QQ", offset, nbytes)], [fd])
-    sender._write(shm._RECORD.pack(shm._FRAME, 0, 1) + b"f", time.monotonic() + 5)
-    sender._write(shm._RECORD.pack(shm._HANDED, 0, nbytes), time.monotonic() + 5)
-    sender._wake_reader()
+    writer = sender._writer
+    writer.write(shm_ring.RECORD.pack(shm_ring.FRAME, 0, 1) + b"f", time.monotonic() + 5)
+    writer.write(shm_ring.RECORD.pack(shm_ring.HANDED_RECORD, 0, nbytes), time.monotonic() + 5)
+    writer.wake_reader()
 
 
 def test_an_unsealed_fd_is_refused(ends):

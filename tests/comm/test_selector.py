@@ -12,7 +12,7 @@ import torch
 
 from rlcomm.comm.selector import Selector
 from rlcomm.comm.transports.gloo import GlooTransport
-from rlcomm.comm.transports.shm import SHM_SUPPORTED
+from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 from rlcomm.errors import PeerLostError
 from tests.comm.pairs import (
@@ -23,6 +23,7 @@ from tests.comm.pairs import (
     transport_pair,
     two_stores,
 )
+from tests.comm.tcp_loopback import TcpLoopbackTransport
 
 pytestmark = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
 
@@ -32,10 +33,12 @@ def stores():
     return two_stores()
 
 
-@pytest.fixture
-def pairs(stores):
-    """Three connected pairs: (served end, peer end)."""
-    made = [connection_pair(stores, f"p{i}") for i in range(3)]
+@pytest.fixture(params=["shm", "tcp_loopback"])
+def pairs(stores, request):
+    """Three connected pairs: (served end, peer end), over shared memory or over the
+    registry proof's loopback TCP (:mod:`tests.comm.tcp_loopback`)."""
+    kind = ShmTransport if request.param == "shm" else TcpLoopbackTransport
+    made = [connection_pair(stores, f"p{i}", kind) for i in range(3)]
     yield made
     for a, b in made:
         a.close()

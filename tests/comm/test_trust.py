@@ -105,7 +105,7 @@ class TrustPeer(Worker):
         from rlcomm.comm.identity.address import WorkerAddress
         from rlcomm.comm.manager import CommManager
 
-        return CommManager.current()._conns[WorkerAddress.of(group, rank)]._unread
+        return CommManager.current()._conns[WorkerAddress.of(group, rank)].reader.inbox.unread
 
     def send_until_timeout(self, group, rank, count, nbytes):
         """Send ``count`` tensors numbered 0.. with a short timeout; returns how many
@@ -384,7 +384,7 @@ def test_a_sender_stalled_mid_message_does_not_hold_the_receive(conns):
 
 def test_a_send_that_fails_part_way_closes_the_connection(conns):
     a, b = conns
-    b._max_unread = 1  # b reads one message, then stops
+    b.reader.inbox.max_unread = 1  # b reads one message, then stops
     big = [torch.ones(1 << 18) for _ in range(40)]  # 40 MiB in 40 tensors: written as it goes
     with pytest.raises(CommTimeoutError, match="part-way"):
         for _ in range(20):
@@ -396,7 +396,7 @@ def test_a_send_that_fails_part_way_closes_the_connection(conns):
 
 def test_a_clean_send_timeout_keeps_the_stream(conns):
     a, b = conns
-    b._max_unread = 4 << 20
+    b.reader.inbox.max_unread = 4 << 20
     sent = 0
     with pytest.raises(CommTimeoutError, match="nothing of it was sent"):
         for sent in range(100):  # noqa: B007 - counted

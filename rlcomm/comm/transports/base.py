@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import datetime
 import struct
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from rlcomm.comm.transports import pool
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError
@@ -28,17 +31,88 @@ _TOTAL = struct.Struct("<I")
 
 #: How long a receive may wait for a live peer that sends nothing (a week: "forever").
 FOREVER = datetime.timedelta(days=7)
+#: A failed op whose deadline is this close (seconds) counts as timed out: torch starts
+#: its own timer a moment after the caller's deadline was taken.
+_DEADLINE_SLACK = 0.005
+
+
+# -- deadlines -----------------------------------------------------------------------------
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    """The monotonic time ``timeout`` seconds from now (``None``: no deadline)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(deadline: float | None, floor: float = 0.0) -> float | None:
+    """Seconds left until ``deadline`` (at least ``floor``; ``None``: no deadline)."""
+    return None if deadline is None else max(floor, deadline - time.monotonic())
+
+
+def as_timedelta(timeout: float | None) -> datetime.timedelta:
+    """``timeout`` seconds for torch's waits; ``None`` is :data:`FOREVER`."""
+    return FOREVER if timeout is None else datetime.timedelta(seconds=timeout)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+#: Low-level exception types and the error each one means, checked in order.
+_LOST_TYPES: tuple[type[BaseException], ...] = (
+    ConnectionError, EOFError, dist.DistNetworkError,
+)
+_TIMEOUT_TYPES: tuple[type[BaseException], ...] = (TimeoutError,)
+
+
+def with_peer(error: CommError, peer: str) -> CommError:
+    """``error`` with the peer it concerns attached as ``error.peer``."""
+    if getattr(error, "peer", None) is None:
+        error.peer = peer  # type: ignore[attr-defined]
+    return error
+
+
+def map_error(
+    exc: BaseException, what: str, peer: str, deadline: float | None = None
+) -> CommError:
+    """The rlcomm error a low-level failure of ``what`` with ``peer`` means, by type.
+
+    A :class:`CommError` stays as it is; ``TimeoutError`` means a timeout; a broken
+    connection (``ConnectionError``, ``EOFError``, ``DistNetworkError``) a lost peer.
+    Gloo and the c10d store raise plain ``RuntimeError`` / ``DistStoreError`` for both;
+    those are told apart by the op's ``deadline`` (monotonic seconds): failed at its
+    deadline, the op timed out; failed before it, the peer is gone or its link broke.
+    The error carries ``peer`` as its ``peer`` field.
+    """
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, CommError):
+        return with_peer(exc, peer)
+    if isinstance(exc, _LOST_TYPES):
+        timed_out = False
+    elif isinstance(exc, _TIMEOUT_TYPES):
+        timed_out = True
+    elif deadline is not None:
+        timed_out = time.monotonic() >= deadline - _DEADLINE_SLACK
+    else:  # no deadline known: the caller waited "forever", so the peer failed
+        timed_out = False
+    if timed_out:
+        return with_peer(CommTimeoutError(f"{what} with {peer} timed out: {first}"), peer)
+    return with_peer(
+        PeerLostError(
+            f"{what} with {peer} failed, the peer process is gone or its connection broke: "
+            f"{first}"
+        ),
+        peer,
+    )
 
 
 def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
-    """Turn a torch.distributed error into rlcomm's timeout / lost-peer errors."""
-    text = str(exc)
-    if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
-        return CommTimeoutError(f"{what} with {peer} timed out: {text.splitlines()[0]}")
-    return PeerLostError(
-        f"{what} with {peer} failed, the peer process is gone or its connection broke: "
-        f"{text.splitlines()[0] if text else type(exc).__name__}"
-    )
+    """For callers that do not know their op's deadline (the broadcast groups): like
+    :func:`map_error`, and a plain ``RuntimeError`` that says it timed out counts as a
+    timeout. Transports use :func:`map_error` with the deadline instead."""
+    ambiguous = not isinstance(exc, (CommError, *_LOST_TYPES, *_TIMEOUT_TYPES))
+    text = str(exc).lower()
+    if ambiguous and ("timed out" in text or "timeout" in text):
+        return map_error(TimeoutError(str(exc)), what, peer)
+    return map_error(exc, what, peer)
 
 
 def fixed_frames(frame: bytes) -> list[torch.Tensor]:
@@ -74,6 +148,9 @@ class Transport(ABC):
     #: Whether :meth:`poll` works: a receiver can then wait for the next frame without
     #: committing to receive it, and any thread may read (one at a time).
     pollable: bool = False
+    #: Whether the connection closes it on teardown (NCCL's communicator is left to its
+    #: own teardown: its shutdown may wait on a dead peer).
+    close_on_teardown: bool = True
 
     @abstractmethod
     def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
@@ -155,3 +232,45 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the connection's resources; later calls fail."""
+
+
+@runtime_checkable
+class PollableTransport(Protocol):
+    """A transport whose incoming stream can be watched without reading it: a receiver
+    waits for the next frame with :meth:`poll`, and a selector watches many transports
+    of one kind on one thread with a :meth:`waiter`. Any thread may then read (one at a
+    time). A transport is pollable when it has these methods and ``pollable`` is True.
+    """
+
+    name: str
+    pollable: bool
+
+    def poll(self, timeout: float | None, wake_fd: int | None = None) -> bool: ...
+
+    def has_data(self) -> bool:
+        """Whether a read would not wait: a frame is there, or the peer is known gone
+        (the read then raises)."""
+        ...
+
+    def waiter(self) -> Waiter:
+        """A new wait on many transports of this one's kind (one per waiting thread)."""
+        ...
+
+
+class Waiter(Protocol):
+    """One thread's wait on several pollable transports of one kind at once."""
+
+    def wait(
+        self, transports: Sequence[PollableTransport], deadline: float | None,
+        wake_fds: Sequence[int],
+    ) -> bool:
+        """Until one of ``transports`` :meth:`~PollableTransport.has_data` (True), or
+        until ``deadline`` or a readable ``wake_fds`` (False; the fds are not read). A
+        transport whose peer is seen gone is marked so (True: its read raises)."""
+        ...
+
+
+def is_pollable(transport: Transport) -> bool:
+    """Whether ``transport`` can be watched without reading it (see
+    :class:`PollableTransport`)."""
+    return transport.pollable and isinstance(transport, PollableTransport)

@@ -19,8 +19,8 @@ after the sending rank and a per-message sequence number):
 GPUs are named by UUID, never by index: ``CUDA_VISIBLE_DEVICES`` differs between Ray
 actors, so one GPU may be ``cuda:0`` here and ``cuda:1`` there. Which CUDA transport a
 connection uses is decided once, at its first CUDA payload: both ends swap their GPU's
-UUID (:func:`exchange_gpu_uuids`) and :func:`choose_cuda_transport` picks CUDA IPC when
-they are equal and the frames go over shared memory, else NCCL. Memory is shared with
+UUID (:func:`~rlcomm.comm.transports.gpus.exchange_gpu_uuids`) and the transport registry
+picks CUDA IPC when they are equal (one GPU, so one node), else NCCL. Memory is shared with
 torch's own machinery (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``, as
 ``torch.multiprocessing`` does), so the sender's staging memory outlives a staging
 buffer it drops until the receiver has closed it.
@@ -28,213 +28,21 @@ buffer it drops until the receiver has closed it.
 
 from __future__ import annotations
 
-import datetime
-import functools
 from collections.abc import Sequence
 
-import msgspec
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports.base import FOREVER, Transport, classify_error
+from rlcomm.comm.transports import registry
+from rlcomm.comm.transports.base import Transport, map_error
+from rlcomm.comm.transports.cuda_ipc_board import Offer, OfferBoard, byte_views, payload_layout
+from rlcomm.comm.transports.gpus import gpu_uuid, local_gpus
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
 
-#: Each tensor of a payload starts at a multiple of this many bytes of the staging buffer.
-ALIGN = 256
 #: Staging buffers are sized in multiples of this many bytes.
 _STAGING_GRANULE = 2 << 20
 #: Opened event handles a receiver keeps (one per sending device, in practice).
 _MAX_EVENTS = 8
-
-
-class Offer(msgspec.Struct, frozen=True):
-    """What a sender publishes for one message: where its payload lies.
-
-    ``memory`` is the first seven fields ``UntypedStorage._share_cuda_()`` gives for the
-    staging buffer, without the device index (the receiver uses its own index of the GPU
-    named ``gpu``): handle, size, offset, ref-counter handle and offset, the sharing
-    event's handle and whether it must be waited on.
-    """
-
-    gpu: str
-    mem_handle: bytes
-    storage_bytes: int
-    storage_offset: int
-    ref_counter: bytes
-    ref_counter_offset: int
-    share_event: bytes
-    share_event_sync: bool
-    event: bytes
-    offsets: list[int]
-    sizes: list[int]
-
-
-_encode_offer = msgspec.msgpack.Encoder().encode
-_decode_offer = msgspec.msgpack.Decoder(Offer).decode
-
-
-# -- choosing the CUDA transport ---------------------------------------------------------------
-
-
-def choose_cuda_transport(cpu_transport: str, my_gpu: str, peer_gpu: str) -> str:
-    """The transport of a connection's CUDA payloads: ``"cuda_ipc"`` when both ends use
-    one physical GPU (equal UUIDs) and the connection's frames go over shared memory
-    (``cpu_transport == "shm"``: one node), else ``"nccl"``. Both ends decide alike."""
-    if cpu_transport == "shm" and my_gpu == peer_gpu:
-        return CudaIpcTransport.name
-    return "nccl"
-
-
-def gpu_uuid(device: torch.device) -> str:
-    """The UUID of the physical GPU behind ``device`` (the same in every process)."""
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-@functools.cache
-def _local_gpus() -> dict[str, int]:
-    """This process's CUDA device index of each GPU it can see, by UUID."""
-    return {
-        str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())
-    }
-
-
-def exchange_gpu_uuids(
-    store: dist.Store, rank: int, mine: str, timeout: float, peer: str
-) -> str:
-    """Publish this end's GPU UUID under ``cuda_uuid/<rank>`` of ``store`` and return
-    the peer's, once it published it too.
-
-    Raises:
-        CommTimeoutError: the peer did not reach its first CUDA send or receive within
-            ``timeout`` seconds.
-        PeerLostError: the store is gone (the peer that holds it died).
-    """
-    what = "choosing the CUDA transport"
-    key = f"cuda_uuid/{1 - rank}"
-    try:
-        store.set(f"cuda_uuid/{rank}", mine)
-        store.wait([key], datetime.timedelta(seconds=timeout))
-        return store.get(key).decode()
-    except RuntimeError as exc:
-        error = classify_error(exc, what, peer)
-        if isinstance(error, CommTimeoutError):
-            error = CommTimeoutError(
-                f"{what} with {peer}: the peer did not start its first CUDA send or receive "
-                f"within {timeout}s (both ends of a connection must reach one)"
-            )
-        raise error from exc
-
-
-# -- pure helpers ----------------------------------------------------------------------------
-
-
-def payload_layout(sizes: Sequence[int], align: int = ALIGN) -> tuple[list[int], int]:
-    """Where each of ``sizes`` bytes lies in a staging buffer: the offsets (each a
-    multiple of ``align``) and the total bytes the buffer needs."""
-    offsets, end = [], 0
-    for n in sizes:
-        if n < 0:
-            raise ValueError(f"payload sizes must be >= 0, got {list(sizes)}")
-        start = -(-end // align) * align
-        offsets.append(start)
-        end = start + n
-    return offsets, end
-
-
-def byte_views(tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-    """Flat uint8 views of contiguous CUDA tensors (writing to a view writes the tensor).
-
-    Raises:
-        ValueError: a tensor is not contiguous, or not on a CUDA device.
-    """
-    views = []
-    for i, t in enumerate(tensors):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{what}: tensor {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
-                "contiguous; call .contiguous() first"
-            )
-        if not t.is_cuda:
-            raise ValueError(
-                f"{what}: tensor {i} is on {t.device}; the cuda_ipc transport moves CUDA "
-                "tensors only"
-            )
-        views.append(t.reshape(-1).view(torch.uint8))
-    return views
-
-
-# -- the store keys of one direction -----------------------------------------------------------
-
-
-class OfferBoard:
-    """The store keys of one direction: the sender's offers, the receiver's acks.
-
-    Each end keeps one board per direction over a store client of its own: a TCPStore
-    client serves one call at a time, so a wait for an ack would stall the other
-    direction's wait for an offer. Keys are deleted once read.
-
-    Args:
-        store: a store client used by this board only (keys under its prefix).
-        sender: the rank that sends in this direction (names the keys).
-        peer: how error messages name the other end.
-    """
-
-    def __init__(self, store: dist.Store, sender: int, peer: str):
-        self._store = store
-        self._sender = sender
-        self._peer = peer
-
-    def _key(self, kind: str, seq: int) -> str:
-        return f"{self._sender}/{kind}/{seq}"
-
-    def _wait_and_take(self, key: str, timeout: float | None, what: str) -> bytes:
-        wait = FOREVER if timeout is None else datetime.timedelta(seconds=timeout)
-        try:
-            self._store.wait([key], wait)
-            data = self._store.get(key)
-            self._store.delete_key(key)
-        except RuntimeError as exc:
-            raise classify_error(exc, what, self._peer) from exc
-        return data
-
-    def post(self, seq: int, offer: Offer) -> None:
-        """Publish the offer of message ``seq`` (the sender)."""
-        try:
-            self._store.set(self._key("offer", seq), _encode_offer(offer))
-        except RuntimeError as exc:
-            raise classify_error(exc, f"cuda_ipc send of message {seq}", self._peer) from exc
-
-    def take(self, seq: int, timeout: float | None) -> Offer:
-        """Wait for the offer of message ``seq`` and take it (the receiver).
-
-        Raises:
-            CommTimeoutError: no offer within ``timeout`` seconds (``None``: a week).
-            PeerLostError: the store is gone.
-        """
-        what = f"cuda_ipc recv of message {seq}"
-        return _decode_offer(self._wait_and_take(self._key("offer", seq), timeout, what))
-
-    def ack(self, seq: int, refusal: str = "") -> None:
-        """Tell the sender message ``seq`` was copied out, or why it was refused."""
-        try:
-            self._store.set(self._key("ack", seq), refusal.encode())
-        except RuntimeError as exc:
-            raise classify_error(exc, f"cuda_ipc ack of message {seq}", self._peer) from exc
-
-    def wait_ack(self, seq: int, timeout: float) -> None:
-        """Wait until the receiver acknowledged message ``seq`` (the sender).
-
-        Raises:
-            CommTimeoutError: no ack within ``timeout`` seconds.
-            ProtocolMismatchError: the receiver refused the payload.
-            PeerLostError: the store is gone.
-        """
-        what = f"cuda_ipc send of message {seq}"
-        refusal = self._wait_and_take(self._key("ack", seq), timeout, what)
-        if refusal:
-            raise ProtocolMismatchError(
-                f"{what} to {self._peer}: the receiver refused the payload: {refusal.decode()}"
-            )
 
 
 # -- the transport ---------------------------------------------------------------------------
@@ -261,7 +69,7 @@ class CudaIpcTransport(Transport):
             self._outgoing = OfferBoard(store.clone(), rank, peer)
             self._incoming = OfferBoard(store.clone(), 1 - rank, peer)
         except RuntimeError as exc:
-            raise classify_error(exc, "cuda_ipc set-up", peer) from exc
+            raise map_error(exc, "cuda_ipc set-up", peer) from exc
         self._failed: CommError | None = None  # a send or receive that broke the protocol
         self._closed = False
         # Sending side (the sending thread only).
@@ -379,10 +187,10 @@ class CudaIpcTransport(Transport):
                 f"it holds tensors of {offer.sizes} bytes but the receiver's buffers are "
                 f"{sizes} bytes"
             )
-        if offer.gpu not in _local_gpus():
+        if offer.gpu not in local_gpus():
             return (
                 f"it lies on GPU {offer.gpu}, which the receiving process does not see "
-                f"(its GPUs: {sorted(_local_gpus())}; check CUDA_VISIBLE_DEVICES)"
+                f"(its GPUs: {sorted(local_gpus())}; check CUDA_VISIBLE_DEVICES)"
             )
         return ""
 
@@ -400,7 +208,7 @@ class CudaIpcTransport(Transport):
             failure = None
             if not refusal:
                 try:
-                    self._copy_out(offer, views, _local_gpus()[offer.gpu])
+                    self._copy_out(offer, views, local_gpus()[offer.gpu])
                 except RuntimeError as exc:  # opening the memory or the event, or a copy
                     failure = exc
                     refusal = f"the receiver could not read the sender's GPU memory: {exc}"
@@ -422,3 +230,15 @@ class CudaIpcTransport(Transport):
         self._events.clear()
         self._opened = None
         self._peer_events.clear()
+
+
+def _cuda_ipc(setup: registry.TransportSetup) -> CudaIpcTransport:
+    return CudaIpcTransport(setup.store, setup.rank, setup.peer)
+
+
+#: CUDA IPC connects CUDA payloads of two ends on one physical GPU (so one node).
+SPEC = registry.register(registry.TransportSpec(
+    name=CudaIpcTransport.name, devices=frozenset({registry.CUDA}), pollable=False,
+    accepts=lambda facts: bool(facts.same_gpu and facts.same_node), factory=_cuda_ipc,
+    preference=1,
+))

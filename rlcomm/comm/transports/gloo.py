@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports.base import FOREVER, Transport, classify_error
+from rlcomm.comm.transports import registry
+from rlcomm.comm.transports.base import Transport, as_timedelta, deadline_of, map_error
 from rlcomm.errors import AuthenticationError, CommError, PeerLostError
 
 _NONCE = 32
@@ -103,10 +104,11 @@ class GlooTransport(Transport):
         *, secret: bytes | None = None, host: str | None = None,
     ):
         self._peer = peer
+        deadline = deadline_of(timeout)
         try:
             self._pg = new_gloo_group(store, rank, 2, datetime.timedelta(seconds=timeout), host)
         except RuntimeError as exc:
-            raise classify_error(exc, "gloo rendezvous", peer) from exc
+            raise map_error(exc, "gloo rendezvous", peer, deadline) from exc
         self._other = 1 - rank
         if secret is not None:
             self._prove(secret, rank, timeout)
@@ -134,25 +136,26 @@ class GlooTransport(Transport):
         try:
             works = [self._pg.send([out], self._other, 1), self._pg.recv([into], self._other, 1)]
         except RuntimeError as exc:
-            raise classify_error(exc, "gloo handshake", self._peer) from exc
-        self._wait(works, datetime.timedelta(seconds=timeout), "gloo handshake")
+            raise map_error(exc, "gloo handshake", self._peer) from exc
+        self._wait(works, timeout, "gloo handshake")
 
-    def _wait(self, works: list, timeout: datetime.timedelta, what: str) -> None:
+    def _wait(self, works: list, timeout: float | None, what: str) -> None:
+        deadline = deadline_of(timeout)
         try:
             for work in works:
-                work.wait(timeout)
+                work.wait(as_timedelta(timeout))
         except RuntimeError as exc:
-            raise classify_error(exc, what, self._peer) from exc
+            raise map_error(exc, what, self._peer, deadline) from exc
 
     def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
         if self.broken:
             raise PeerLostError(f"gloo stream to {self._peer} is out of step after a failed send")
         try:
             works = [self._pg.send([as_flat_bytes(t)], self._other, 0) for t in tensors]
-            self._wait(works, datetime.timedelta(seconds=timeout), "send")
+            self._wait(works, timeout, "send")
         except RuntimeError as exc:
             self.broken = True  # Gloo cannot tell how much left: the stream is out of step
-            raise classify_error(exc, "send", self._peer) from exc
+            raise map_error(exc, "send", self._peer) from exc
         except CommError:
             self.broken = True
             raise
@@ -161,9 +164,21 @@ class GlooTransport(Transport):
         try:
             works = [self._pg.recv([as_flat_bytes(t)], self._other, 0) for t in tensors]
         except RuntimeError as exc:
-            raise classify_error(exc, "recv", self._peer) from exc
-        wait = FOREVER if timeout is None else datetime.timedelta(seconds=timeout)
-        self._wait(works, wait, "recv")
+            raise map_error(exc, "recv", self._peer) from exc
+        self._wait(works, timeout, "recv")
 
     def close(self) -> None:
         self._pg = None  # type: ignore[assignment]
+
+
+def _gloo(setup: registry.TransportSetup) -> GlooTransport:
+    return GlooTransport(
+        setup.store, setup.rank, setup.timeout, setup.peer, secret=setup.secret, host=setup.host
+    )
+
+
+#: Gloo connects any pair (over TCP); shared memory is preferred where it can.
+SPEC = registry.register(registry.TransportSpec(
+    name=GlooTransport.name, devices=frozenset({registry.CPU}), pollable=False,
+    accepts=lambda facts: True, factory=_gloo, preference=0,
+))

@@ -33,7 +33,6 @@ import os
 import platform
 import select
 import socket
-import struct
 import time
 import weakref
 from collections import deque
@@ -43,13 +42,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports import pool, shm_handover
+from rlcomm.comm.transports import pool, registry, shm_handover
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
     HEAD,
     RING_BYTES,
-    SEGMENT_THRESHOLD,
     SLEEPING,
     TAIL,
     WAITING,
@@ -60,8 +58,9 @@ from rlcomm.comm.transports.shm_memory import (
     new_memfd,
     release_segment,
 )
+from rlcomm.comm.transports.shm_ring import FRAME, HANDED_RECORD, RECORD, SEGMENT, RingWriter
 from rlcomm.comm.transports.shm_signals import HANDED, SignalSockets
-from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
+from rlcomm.comm.transports.shm_wait import ShmWaiter, Spin, wait_for_data
 from rlcomm.errors import CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
@@ -72,10 +71,6 @@ _MAX_IN_FLIGHT = get_settings().shm_max_in_flight
 #: queue's items) copies later payloads out instead, so that the sender does not run out
 #: of segments and fall back to streaming large payloads through the ring.
 _PIN_LIMIT = _MAX_IN_FLIGHT // 2
-_RECORD = struct.Struct("<IIQ")  # kind, segment id, nbytes
-_INLINE, _SEGMENT, _FRAME, _HANDED = 1, 2, 3, 4
-#: Where a payload tensor's memory is handed over: ``(fd, offset, nbytes)``, else None.
-HandedOver = tuple[int, int, int] | None
 
 
 class ShmTransport(Transport):
@@ -113,6 +108,7 @@ class ShmTransport(Transport):
         os.close(in_fd)
         self._spin = Spin()  # of this transport's own waits for data
         self._pool = SegmentPool(self._out.states, self._signals.send_fd, _MAX_IN_FLIGHT)
+        self._writer = RingWriter(self._out, self._pool, self._signals, peer, _MAX_IN_FLIGHT)
         self._peer_segments: dict[int, Segment] = {}  # incoming, mapped on first sight
         self._handed: deque[tuple[int, int, int]] = deque()  # incoming (fd, offset, nbytes)
 
@@ -137,63 +133,7 @@ class ShmTransport(Transport):
             os.close(fd)
         return got
 
-    def _wake_reader(self) -> None:
-        """Send a token after new data, if the peer's reader sleeps (else it sees the data
-        on its own: it is reading or spinning)."""
-        if self._out.words[SLEEPING // 8]:
-            self._notify(self._out_sock)
-
     # -- sending ----------------------------------------------------------------------------
-
-    def _space(self) -> int:
-        words = self._out.words
-        return RING_BYTES - int(words[HEAD // 8] - words[TAIL // 8])
-
-    def _write(self, src: torch.Tensor | bytes, deadline: float) -> None:
-        """Copy ``src`` (a uint8 tensor, or bytes) into the ring, waiting for space."""
-        words = self._out.words
-        is_bytes = isinstance(src, (bytes, bytearray))
-        ring = self._out.mm if is_bytes else self._out.data
-        base = CTRL_BYTES if is_bytes else 0
-        done, total = 0, len(src) if is_bytes else src.numel()
-        while done < total:
-            space = self._space()
-            if space == 0:
-                self._wait_space(deadline)
-                continue
-            n = min(space, total - done)
-            head = int(words[HEAD // 8])
-            pos = head % RING_BYTES
-            first = min(n, RING_BYTES - pos)
-            if is_bytes:
-                ring[base + pos : base + pos + first] = src[done : done + first]
-                if first < n:
-                    ring[base : base + n - first] = src[done + first : done + n]
-            else:
-                ring[pos : pos + first].copy_(src[done : done + first])
-                if first < n:
-                    ring[: n - first].copy_(src[done + first : done + n])
-            words[HEAD // 8] = head + n
-            done += n
-            if done < total:
-                self._wake_reader()
-
-    def _wait_space(self, deadline: float, need: int = 1) -> None:
-        """Wait until the ring has ``need`` free bytes (at most its size)."""
-        words = self._out.words
-        self._wake_reader()  # the receiver may be asleep with data waiting
-        words[WAITING // 8] = 1
-        while self._space() < need:
-            if time.monotonic() > deadline:
-                words[WAITING // 8] = 0
-                raise CommTimeoutError(f"shm send to {self._peer} timed out (ring full)")
-            try:
-                # Short waits: a token can be missed when both sides race on the flag.
-                self._read_sock(self._out_sock, True, min(deadline, time.monotonic() + 0.002),
-                                "shm send")
-            except CommTimeoutError:
-                pass
-        words[WAITING // 8] = 0
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -207,11 +147,11 @@ class ShmTransport(Transport):
         self._check_usable()
         deadline = time.monotonic() + timeout
         try:
-            self._send_payload(tensors, deadline)
+            self._writer.send_payload(tensors, deadline)
         except BaseException:
             self.broken = True
             raise
-        self._wake_reader()
+        self._writer.wake_reader()
 
     def send_frame(self, frame: bytes, payload: Sequence[torch.Tensor], timeout: float) -> None:
         """Send a frame and its payload. It waits for ring space for the whole frame
@@ -219,98 +159,19 @@ class ShmTransport(Transport):
         fails later marks the transport :attr:`broken`."""
         self._check_usable()
         deadline = time.monotonic() + timeout
-        record = _RECORD.pack(_FRAME, 0, len(frame)) + frame
-        handed = self._handed_over(payload)
-        if payload or self._space() < len(record):
-            segments = self._reserve(len(record), payload, deadline, handed)
+        record = RECORD.pack(FRAME, 0, len(frame)) + frame
+        handed = self._writer.handed_over(payload)
+        if payload or self._writer.space() < len(record):
+            segments = self._writer.reserve(len(record), payload, deadline, handed)
         else:  # the common small message: room in the ring, nothing to reserve
             segments = ()
         try:
-            self._write(record, deadline)
-            self._send_payload(payload, deadline, segments, handed)
+            self._writer.write(record, deadline)
+            self._writer.send_payload(payload, deadline, segments, handed)
         except BaseException:
             self.broken = True
             raise
-        self._wake_reader()
-
-    @staticmethod
-    def _handed_over(payload: Sequence[torch.Tensor]) -> list[HandedOver] | None:
-        """Where each payload tensor's memory is handed over (None: none is)."""
-        if not payload or not shm_handover.has_blocks():
-            return None
-        handed = [shm_handover.find(t) if t.numel() >= SEGMENT_THRESHOLD else None
-                  for t in payload]
-        return handed if any(handed) else None
-
-    def _reserve(
-        self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float,
-        handed: Sequence[HandedOver] | None = None,
-    ) -> list[Segment | None]:
-        """Before a message is written: take a segment for each large tensor and wait
-        for ring space for the rest, so that writing it cannot stall on a receiver that
-        stopped reading. On timeout nothing was written (the segments go back).
-
-        A message too large for that (more large tensors than half the segments in
-        flight, or more ring bytes than the ring) is written as it goes instead."""
-        sizes = [t.numel() for t in payload]
-        large = [i for i, n in enumerate(sizes)
-                 if n >= SEGMENT_THRESHOLD and not (handed and handed[i])]
-        segments: list[Segment | None] = [None] * len(sizes)
-        in_ring = frame_bytes + _RECORD.size * len(sizes) + sum(
-            n for n in sizes if n < SEGMENT_THRESHOLD
-        )
-        if len(large) > _MAX_IN_FLIGHT // 2 or in_ring > RING_BYTES:
-            return segments
-        words = self._out.words
-        while True:
-            for i in large:
-                if segments[i] is None:
-                    segments[i] = self._pool.take(sizes[i], deadline)
-            if all(segments[i] is not None for i in large) and self._space() >= in_ring:
-                words[WAITING // 8] = 0
-                return segments
-            if time.monotonic() > deadline:
-                words[WAITING // 8] = 0
-                for seg in segments:
-                    if seg is not None:
-                        release_segment(self._out.states, seg.id)
-                raise CommTimeoutError(
-                    f"shm send to {self._peer} timed out before it began: the receiver "
-                    "holds all the ring and segments it may (it is not reading)"
-                )
-            self._wake_reader()  # the receiver may be asleep with data waiting
-            words[WAITING // 8] = 1  # it sends a token when it frees ring space
-            try:
-                self._read_sock(self._out_sock, True, min(deadline, time.monotonic() + 0.002),
-                                "shm send")
-            except CommTimeoutError:
-                pass
-
-    def _send_payload(
-        self, tensors: Sequence[torch.Tensor], deadline: float,
-        segments: Sequence[Segment | None] | None = None,
-        handed: Sequence[HandedOver] | None = None,
-    ) -> None:
-        if handed is None and segments is None:
-            handed = self._handed_over(tensors)
-        for k, t in enumerate(tensors):
-            n = t.numel()
-            block = handed[k] if handed else None
-            if block is not None:  # only the fd travels
-                fd, offset, nbytes = block
-                self._signals.send_handed(fd, offset, nbytes, deadline)
-                self._write(_RECORD.pack(_HANDED, 0, n), deadline)
-                continue
-            seg = segments[k] if segments else None
-            if seg is None and n >= SEGMENT_THRESHOLD:
-                seg = self._pool.take(n, deadline)
-            if seg is not None:
-                seg.tensor[:n].copy_(t)
-                self._write(_RECORD.pack(_SEGMENT, seg.id, n), deadline)
-            else:
-                self._write(_RECORD.pack(_INLINE, 0, n), deadline)
-                if n:
-                    self._write(t.numpy().tobytes() if n <= 4096 else t, deadline)
+        self._writer.wake_reader()
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -345,6 +206,14 @@ class ShmTransport(Transport):
     def mark_lost(self) -> None:
         """The peer is gone: every later op raises PeerLostError."""
         self._closed = True
+
+    # What a selector needs (:class:`~rlcomm.comm.transports.base.PollableTransport`).
+
+    def has_data(self) -> bool:
+        return self.available() > 0 or self._closed
+
+    def waiter(self) -> ShmWaiter:
+        return ShmWaiter()
 
     def _sleep_until_data(self, deadline: float | None, wake_fd: int | None = None) -> bool:
         return wait_for_data((self,), deadline, () if wake_fd is None else (wake_fd,), self._spin)
@@ -394,22 +263,22 @@ class ShmTransport(Transport):
         tail = int(words[TAIL // 8])
         avail = int(words[HEAD // 8]) - tail
         pos = tail % RING_BYTES
-        end = pos + _RECORD.size
-        if avail < _RECORD.size or end > RING_BYTES:
+        end = pos + RECORD.size
+        if avail < RECORD.size or end > RING_BYTES:
             return None
         mm = self._in.mm
-        kind, _, n = _RECORD.unpack_from(mm, CTRL_BYTES + pos)
-        if kind != _FRAME or avail < _RECORD.size + n or end + n > RING_BYTES:
+        kind, _, n = RECORD.unpack_from(mm, CTRL_BYTES + pos)
+        if kind != FRAME or avail < RECORD.size + n or end + n > RING_BYTES:
             return None
         frame = mm[CTRL_BYTES + end : CTRL_BYTES + end + n]
-        words[TAIL // 8] = tail + _RECORD.size + n
+        words[TAIL // 8] = tail + RECORD.size + n
         if words[WAITING // 8]:
             words[WAITING // 8] = 0
             self._notify(self._in_sock)
         return frame
 
     def _next_record(self, deadline: float | None) -> tuple[int, int, int]:
-        return _RECORD.unpack(self._read(None, _RECORD.size, deadline))
+        return RECORD.unpack(self._read(None, RECORD.size, deadline))
 
     def _peer_segment(self, seg_id: int, deadline: float | None) -> Segment:
         while seg_id not in self._peer_segments:
@@ -431,7 +300,7 @@ class ShmTransport(Transport):
             return frame
         deadline = None if timeout is None else time.monotonic() + timeout
         kind, _, n = self._next_record(deadline)
-        if kind != _FRAME:
+        if kind != FRAME:
             raise PeerLostError(f"shm stream with {self._peer} is out of step: expected a frame")
         if rest is not None:
             deadline = time.monotonic() + rest
@@ -444,11 +313,11 @@ class ShmTransport(Transport):
         for t in tensors:
             kind, seg_id, n = self._next_record(deadline)
             self._check_size(t.numel(), n)
-            if kind == _SEGMENT:
+            if kind == SEGMENT:
                 seg = self._peer_segment(seg_id, deadline)
                 t.copy_(seg.tensor[:n])
                 self._in.states[seg_id] = 0
-            elif kind == _HANDED:
+            elif kind == HANDED_RECORD:
                 t.copy_(self._map_handed(n, deadline))
             elif n:
                 self._read(t, n, deadline)
@@ -464,7 +333,7 @@ class ShmTransport(Transport):
         for size in sizes:
             kind, seg_id, n = self._next_record(deadline)
             self._check_size(size, n)
-            if kind == _SEGMENT:
+            if kind == SEGMENT:
                 seg = self._peer_segment(seg_id, deadline)
                 if self._pinned() <= _PIN_LIMIT:  # counting this one
                     arr = np.frombuffer(seg.mm, dtype=np.uint8, count=n)
@@ -475,7 +344,7 @@ class ShmTransport(Transport):
                     t.copy_(seg.tensor[:n])
                     release_segment(self._in.states, seg_id)
                     out.append(t)
-            elif kind == _HANDED:
+            elif kind == HANDED_RECORD:
                 out.append(self._map_handed(n, deadline))
             else:
                 t = pool.take(n)
@@ -505,3 +374,14 @@ class ShmTransport(Transport):
         self._signals.close()
         while self._handed:
             os.close(self._handed.popleft()[0])
+
+
+def _shm(setup: registry.TransportSetup) -> ShmTransport:
+    return ShmTransport(setup.store, setup.rank, setup.timeout, setup.peer, peer_pid=setup.peer_pid)
+
+
+#: Shared memory connects two ends of one x86-64 Linux node, before anything else.
+SPEC = registry.register(registry.TransportSpec(
+    name=ShmTransport.name, devices=frozenset({registry.CPU}), pollable=True,
+    accepts=lambda facts: facts.same_node and SHM_SUPPORTED, factory=_shm, preference=10,
+))

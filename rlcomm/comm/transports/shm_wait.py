@@ -19,13 +19,21 @@ import os
 import select
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rlcomm.errors import PeerLostError
 from rlcomm.settings import get_settings
 
-if TYPE_CHECKING:
-    from rlcomm.comm.transports.shm import ShmTransport
+
+class ShmTransport(Protocol):
+    """What a wait needs of a shared-memory transport (:mod:`.shm` has the one)."""
+
+    def available(self) -> int: ...
+    def signal_fd(self) -> int: ...
+    def poller(self, wake_fd: int | None) -> select.poll: ...
+    def read_signal(self) -> None: ...
+    def set_sleeping(self, sleeping: bool) -> None: ...
+    def mark_lost(self) -> None: ...
 
 #: Most seconds a waiter checks the rings before it sleeps (``RLCOMM_SHM_SPIN_US``;
 #: 0 turns spinning off).
@@ -126,3 +134,19 @@ def wait_for_data(
     finally:
         for t in transports:
             t.set_sleeping(False)
+
+
+class ShmWaiter:
+    """One thread's wait on many shared-memory transports at once (a selector's): one
+    spin over all their rings, then one ``poll`` of all their sockets. A transport whose
+    peer is seen gone is marked lost, and the wait returns so that it is read (and
+    raises)."""
+
+    def __init__(self) -> None:
+        self._spin = Spin()
+
+    def wait(
+        self, transports: Sequence[ShmTransport], deadline: float | None,
+        wake_fds: Sequence[int],
+    ) -> bool:
+        return wait_for_data(transports, deadline, wake_fds, self._spin, mark_lost=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports import shm
+from rlcomm.comm.transports import shm, shm_memory
 from rlcomm.comm.transports.shm import ShmTransport
 from rlcomm.errors import CommTimeoutError, PeerLostError
 from tests.comm.pairs import transport_pair, two_stores
@@ -35,8 +35,8 @@ def _bytes(n: int, seed: int) -> torch.Tensor:
 
 def test_sizes_across_ring_and_segments(pair):
     a, b = pair
-    sizes = [0, 1, 17, 4096, shm.SEGMENT_THRESHOLD - 1, shm.SEGMENT_THRESHOLD, 3 << 20,
-             shm.RING_BYTES + 12345]
+    sizes = [0, 1, 17, 4096, shm_memory.SEGMENT_THRESHOLD - 1, shm_memory.SEGMENT_THRESHOLD, 3 << 20,
+             shm_memory.RING_BYTES + 12345]
     sent = [_bytes(n, i) for i, n in enumerate(sizes)]
     # The sender runs ahead in a thread: ring-full waits and wrap-around get exercised.
     sender = threading.Thread(target=lambda: [a.send([t], 30) for t in sent])
@@ -50,7 +50,7 @@ def test_sizes_across_ring_and_segments(pair):
 
 def test_frames_and_many_small_messages_wrap_the_ring(pair):
     a, b = pair
-    n = (shm.RING_BYTES // 1000) * 3
+    n = (shm_memory.RING_BYTES // 1000) * 3
 
     def send_all():
         for i in range(n):

@@ -1,0 +1,268 @@
+"""``Connection``: the message stream between this worker and one peer, in three parts.
+
+A message is a *frame* (the msgspec header, and the payload too when it is small)
+followed, for large payloads, by one transport message per tensor. The connection joins
+a :class:`~.sender.Sender` (messages out), a :class:`~.reader.Reader` (who reads the
+stream, in explicit states) and the reader's :class:`~.inbox.Inbox` (bounded), and
+drives the reader with a receiver thread of its own (:mod:`.receiver`) unless a
+selector drives it. A *consumer* thread runs the ``async_op=True`` receives.
+
+CUDA payloads: the frame goes over the CPU transport, the payload over the connection's
+CUDA transport, chosen by the transport registry from the pair's facts and made at its
+first CUDA payload (either direction), when both ends have swapped their GPU's UUID.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlcomm.comm import codec, framing
+from rlcomm.comm.codec import Kind, MessageHeader
+from rlcomm.comm.connection.incoming import Incoming
+from rlcomm.comm.connection.listening import Listener
+from rlcomm.comm.connection.reader import Reader
+from rlcomm.comm.connection.receiver import start_receiver_thread
+from rlcomm.comm.connection.sender import Sender
+from rlcomm.comm.store import sub_store
+from rlcomm.comm.transports import gpus, registry
+from rlcomm.comm.transports.base import Transport
+from rlcomm.comm.transports.registry import PairFacts, TransportSetup
+from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
+
+logger = logging.getLogger(__name__)
+
+
+class Connection:
+    """The two-way message stream with one peer, over a connected transport.
+
+    Created pending by the manager; :meth:`attach` hands it the connected transport
+    (after the rendezvous) and starts its receiver thread; :meth:`fail` ends it with an
+    error every waiting and later op raises.
+
+    Args:
+        peer: the peer's address, for messages.
+        on_lost: called once when the connection breaks.
+    """
+
+    def __init__(self, peer: str, on_lost: Callable[[Connection], None] | None = None):
+        self.peer = peer
+        self._on_lost = on_lost
+        self._ready = threading.Event()
+        self._transport: Transport | None = None
+        self._store: dist.Store | None = None
+        self._rank = 0
+        #: What both ends know alike about the pair (set at the handshake; the GPU fact
+        #: at the first CUDA payload).
+        self.facts = PairFacts(same_node=False)
+        self._cuda: Transport | None = None  # CUDA payloads' transport, made on first use
+        self._cuda_lock = threading.Lock()
+        self.reader = Reader(peer, self.fail, self.wait_ready, self._cuda_transport)
+        self.sender = Sender(
+            peer, self.wait_ready, lambda: self.reader.error, self.fail, self._cuda_transport
+        )
+        self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._consumer_lock = threading.Lock()
+        self.transport_name = "pending"
+        # Set by the manager: options this side gave on first contact, the group fields
+        # both ends agreed on, and whether this side's first op checked them.
+        self.requested_options: Any = None
+        self.agreed_fields: dict | None = None
+        self.checked_first_contact = False
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def attach(
+        self, transport: Transport, store: dist.Store, rank: int, facts: PairFacts | None = None
+    ) -> None:
+        """Hand the connected ``transport`` over (its rendezvous ``store``, this end's
+        ``rank``, the pair's ``facts``) and start reading."""
+        self._transport, self._store, self._rank = transport, store, rank
+        if facts is not None:
+            self.facts = facts
+        self.transport_name = transport.name
+        self.reader.attach(transport)
+        self.sender.transport = transport
+        start_receiver_thread(self.reader)
+        self._ready.set()
+        with self.reader.cond:
+            if self.reader.selector is not None:
+                self.reader.selector.wake()
+
+    def fail(self, error: CommError) -> None:
+        if not self.reader.set_error(error):
+            return
+        self._ready.set()
+        listener = self.reader.listener
+        if listener is not None:
+            listener.on_error(error)
+        if self._on_lost is not None:
+            self._on_lost(self)
+
+    @property
+    def attached(self) -> bool:
+        return self._transport is not None
+
+    @property
+    def error(self) -> CommError | None:
+        return self.reader.error
+
+    def wait_ready(self, timeout: float) -> Transport:
+        if not self._ready.wait(timeout):
+            raise CommTimeoutError(
+                f"no connection with {self.peer} after {timeout}s: the peer did not take part "
+                "in the rendezvous (is it alive and does it exist?)"
+            )
+        if self.reader.error is not None:
+            raise self.reader.error
+        return self._transport  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.fail(PeerLostError(f"the connection with {self.peer} was closed"))
+        self.sender.close()
+        if self._consumer is not None:
+            self._consumer.shutdown(wait=False, cancel_futures=True)
+        if self._transport is not None:
+            self._transport.close()
+        if self._cuda is not None and self._cuda.close_on_teardown:
+            self._cuda.close()
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def submit_send(
+        self,
+        header: MessageHeader,
+        tensors: list[torch.Tensor],
+        timeout: float,
+        before: Callable[[], None] | None = None,
+    ) -> concurrent.futures.Future:
+        """Queue a message on the sender thread (see :meth:`.Sender.submit`)."""
+        return self.sender.submit(header, tensors, timeout, before)
+
+    def send_inline(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
+        """Send a message from the calling thread, after any queued async sends."""
+        self.sender.send_inline(header, tensors, timeout)
+
+    def send_message(self, obj: Any, timeout: float) -> None:
+        """Encode ``obj`` and send it from the calling thread: the short path of a caller
+        that holds the connection already (a listened one), past the manager's lookups."""
+        header, tensors = codec.encode(obj)
+        self.sender.send_inline(header, tensors, timeout)
+
+    def _cuda_transport(self, device: torch.device, timeout: float) -> Transport:
+        """The transport of this connection's CUDA payloads, chosen and made at the first
+        one sent or received: both ends swap the UUID of their GPU (``device``'s), which
+        completes the pair's facts, and the registry picks from them (CUDA IPC on one
+        GPU, else NCCL, which refuses two ranks on one GPU).
+
+        Raises:
+            CommTimeoutError: the peer did not reach its first CUDA op within ``timeout``.
+        """
+        with self._cuda_lock:
+            if self._cuda is None:
+                store = self._store
+                mine = gpus.gpu_uuid(device)
+                theirs = gpus.exchange_gpu_uuids(store, self._rank, mine, timeout, self.peer)
+                self.facts = dataclasses.replace(self.facts, same_gpu=mine == theirs)
+                spec = registry.select(self.facts, registry.CUDA)
+                logger.debug(
+                    "CUDA payloads with %s go over %s (GPU %s here, %s there)",
+                    self.peer, spec.name, mine, theirs,
+                )
+                self._cuda = spec.factory(TransportSetup(
+                    sub_store(store, spec.name), self._rank, timeout, self.peer, device=device,
+                ))
+            return self._cuda
+
+    # -- receive ops ----------------------------------------------------------------------------
+
+    def take_ticket(self) -> int:
+        return self.reader.take_ticket()
+
+    def release_ticket(self, ticket: int) -> None:
+        self.reader.release_ticket(ticket)
+
+    def run_async(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        with self._consumer_lock:
+            if self._consumer is None:
+                self._consumer = concurrent.futures.ThreadPoolExecutor(
+                    1, f"rlcomm-consume-{self.peer}"
+                )
+        return self._consumer.submit(fn)
+
+    def receive(
+        self, ticket: int, timeout: float, handle: Callable[[Incoming], tuple[bool, Any]], what: str
+    ) -> Any:
+        """Serve receive ``ticket`` (see :meth:`.Reader.receive`)."""
+        return self.reader.receive(ticket, timeout, handle, what)
+
+    def recv_object(self, ticket: int, timeout: float, device: torch.device | None) -> Any:
+        def handle(msg: Incoming) -> tuple[bool, Any]:
+            if msg.header.kind == Kind.RAW:
+                raise ProtocolMismatchError(
+                    f"recv from {self.peer}: the peer sent this message with send_tensor(); "
+                    "receive it with recv_tensor() (do not mix send/recv with "
+                    "send_tensor/recv_tensor)"
+                )
+            return True, msg
+
+        msg = self.reader.receive(ticket, timeout, handle, "recv")
+        if msg.deferred:
+            dev = device or torch.device("cuda", torch.cuda.current_device())
+            buffers = [codec.empty_like_meta(m, dev) for m in msg.header.tensors]
+            tensors = self.reader.read_deferred(msg, buffers, timeout, "recv")
+        else:
+            tensors = msg.tensors
+        return codec.decode(msg.header, tensors)
+
+    def recv_tensor_into(self, ticket: int, tensor: torch.Tensor, timeout: float) -> None:
+        def handle(msg: Incoming) -> tuple[bool, Any]:
+            header = msg.header
+            if header.kind != Kind.RAW:
+                raise ProtocolMismatchError(
+                    f"recv_tensor from {self.peer}: the peer sent this message with send(); "
+                    "receive it with recv() (do not mix send/recv with send_tensor/recv_tensor)"
+                )
+            meta = header.tensors[0]
+            want = codec.meta_of(tensor)
+            if (meta.dtype, tuple(meta.shape)) != (want.dtype, want.shape):
+                raise ProtocolMismatchError(
+                    f"recv_tensor from {self.peer}: the peer sent a {meta.dtype} tensor of shape "
+                    f"{tuple(meta.shape)} but the buffer is {want.dtype} of shape {want.shape}"
+                )
+            if meta.device != want.device:
+                raise ProtocolMismatchError(
+                    f"recv_tensor from {self.peer}: the peer sent a {meta.device} tensor into a "
+                    f"{want.device} buffer; use buffers on the same kind of device"
+                )
+            return True, msg
+
+        msg = self.reader.receive(ticket, timeout, handle, "recv_tensor")
+        if msg.deferred:
+            self.reader.read_deferred(msg, [tensor], timeout, "recv_tensor")
+        else:
+            framing.copy_inline_into(tensor, msg.inline)
+
+    # -- listening ----------------------------------------------------------------------------
+
+    def listen(
+        self, on_message: Callable[[Any], None], on_error: Callable[[CommError], None]
+    ) -> None:
+        """Hand every message from now on, decoded, to ``on_message`` on the thread that
+        read it (the reader's driver, or a :meth:`pump` caller), in order; receive ops
+        are then refused. ``on_error`` is called once when the connection fails."""
+        self.reader.listen(Listener(on_message, on_error))
+
+    def pump(
+        self, fut: concurrent.futures.Future, timeout: float, hand_back: Callable[[], bool]
+    ) -> bool:
+        """Read and dispatch messages on this thread until ``fut`` is done (True) or
+        ``timeout`` seconds passed (False); see :meth:`.Reader.pump`."""
+        return self.reader.pump(fut, timeout, hand_back)

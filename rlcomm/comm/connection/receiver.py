@@ -1,0 +1,63 @@
+"""The receiver thread: a reader's own driver.
+
+Each attached connection starts one. It reads the stream whenever nobody else may (no
+receive op wants it, the inbox is under its cap), so a peer's send never waits for this
+worker's code to call ``recv``. While a :class:`~rlcomm.comm.selector.Selector` drives
+the reader instead, the thread only waits to be handed the stream back, or for the end.
+It owns nothing but its loop; the reader's state is the reader's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from rlcomm.comm.connection.reader import LINGER, Reader, ReaderState
+from rlcomm.errors import CommError, PeerLostError
+
+logger = logging.getLogger(__name__)
+
+
+def start_receiver_thread(reader: Reader) -> threading.Thread:
+    """Start ``reader``'s receiver thread (once its transport is attached)."""
+    thread = threading.Thread(
+        target=_receive_loop, args=(reader,), name=f"rlcomm-recv-{reader.peer}", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _receive_loop(reader: Reader) -> None:
+    transport = reader.transport
+    pollable = reader.pollable
+    cond = reader.cond
+    try:
+        while True:
+            with cond:
+                while reader.error is None and (
+                    (reader.selector is not None and pollable) or not reader.driver_may_read()
+                ):
+                    selected = reader.selector is not None
+                    reader.driver_wake.wait(LINGER if pollable and not selected else None)
+                if reader.error is not None:
+                    return
+                reader.state = ReaderState.DRIVER
+            msg = None
+            try:
+                if not pollable or transport.poll(None, reader.wake_fd):
+                    msg = reader.read_one(transport)
+                else:
+                    reader.drain_wake_pipe()
+            finally:
+                with cond:
+                    reader.leave(msg, by_caller=False)
+    except CommError as exc:
+        reader.fail(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure ends the stream, loudly
+        logger.exception("receiver thread for %s failed", reader.peer)
+        reader.fail(PeerLostError(f"receiving from {reader.peer} failed: {exc!r}"))
+    finally:
+        with cond:
+            if reader.selector is None:  # else the selector polls it; it closes it
+                reader.close_wake_pipe()
+

@@ -1,0 +1,192 @@
+"""The sending half of the shared-memory transport: one direction's ring, written by this
+side (see :mod:`~rlcomm.comm.transports.shm` for the design)."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+
+import torch
+
+from rlcomm.comm.transports import shm_handover
+from rlcomm.comm.transports.shm_memory import (
+    CTRL_BYTES,
+    HEAD,
+    RING_BYTES,
+    SEGMENT_THRESHOLD,
+    SLEEPING,
+    TAIL,
+    WAITING,
+    Ring,
+    Segment,
+    SegmentPool,
+    release_segment,
+)
+from rlcomm.comm.transports.shm_signals import SignalSockets
+from rlcomm.errors import CommTimeoutError
+
+#: A ring record's head: kind, segment id, nbytes.
+RECORD = struct.Struct("<IIQ")
+INLINE, SEGMENT, FRAME, HANDED_RECORD = 1, 2, 3, 4
+#: Where a payload tensor's memory is handed over: ``(fd, offset, nbytes)``, else None.
+HandedOver = tuple[int, int, int] | None
+
+
+class RingWriter:
+    """Writes records into this side's ring and payloads into its segments.
+
+    Args:
+        ring: the outgoing ring.
+        pool: the segments of this direction.
+        signals: the pair's sockets (wake-up tokens out, ring-space tokens back).
+        peer: how error messages name the other end.
+        max_in_flight: segments this side may have in flight.
+    """
+
+    def __init__(
+        self, ring: Ring, pool: SegmentPool, signals: SignalSockets, peer: str,
+        max_in_flight: int,
+    ):
+        self._out = ring
+        self._pool = pool
+        self._signals = signals
+        self._peer = peer
+        self._max_in_flight = max_in_flight
+
+    def wake_reader(self) -> None:
+        """Send a token after new data, if the peer's reader sleeps (else it sees the data
+        on its own: it is reading or spinning)."""
+        if self._out.words[SLEEPING // 8]:
+            self._signals.notify(self._signals.out)
+
+    def _wait_token(self, deadline: float) -> None:
+        """Wait a moment for the peer's ring-space token (short waits: a token can be
+        missed when both sides race on the flag)."""
+        try:
+            self._signals.read(
+                self._signals.out, True, min(deadline, time.monotonic() + 0.002), "shm send"
+            )
+        except CommTimeoutError:
+            pass
+
+    def space(self) -> int:
+        words = self._out.words
+        return RING_BYTES - int(words[HEAD // 8] - words[TAIL // 8])
+
+    def write(self, src: torch.Tensor | bytes, deadline: float) -> None:
+        """Copy ``src`` (a uint8 tensor, or bytes) into the ring, waiting for space."""
+        words = self._out.words
+        is_bytes = isinstance(src, (bytes, bytearray))
+        ring = self._out.mm if is_bytes else self._out.data
+        base = CTRL_BYTES if is_bytes else 0
+        done, total = 0, len(src) if is_bytes else src.numel()
+        while done < total:
+            space = self.space()
+            if space == 0:
+                self._wait_space(deadline)
+                continue
+            n = min(space, total - done)
+            head = int(words[HEAD // 8])
+            pos = head % RING_BYTES
+            first = min(n, RING_BYTES - pos)
+            if is_bytes:
+                ring[base + pos : base + pos + first] = src[done : done + first]
+                if first < n:
+                    ring[base : base + n - first] = src[done + first : done + n]
+            else:
+                ring[pos : pos + first].copy_(src[done : done + first])
+                if first < n:
+                    ring[: n - first].copy_(src[done + first : done + n])
+            words[HEAD // 8] = head + n
+            done += n
+            if done < total:
+                self.wake_reader()
+
+    def _wait_space(self, deadline: float, need: int = 1) -> None:
+        """Wait until the ring has ``need`` free bytes (at most its size)."""
+        words = self._out.words
+        self.wake_reader()  # the receiver may be asleep with data waiting
+        words[WAITING // 8] = 1
+        while self.space() < need:
+            if time.monotonic() > deadline:
+                words[WAITING // 8] = 0
+                raise CommTimeoutError(f"shm send to {self._peer} timed out (ring full)")
+            self._wait_token(deadline)
+        words[WAITING // 8] = 0
+
+    @staticmethod
+    def handed_over(payload: Sequence[torch.Tensor]) -> list[HandedOver] | None:
+        """Where each payload tensor's memory is handed over (None: none is)."""
+        if not payload or not shm_handover.has_blocks():
+            return None
+        handed = [shm_handover.find(t) if t.numel() >= SEGMENT_THRESHOLD else None
+                  for t in payload]
+        return handed if any(handed) else None
+
+    def reserve(
+        self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float,
+        handed: Sequence[HandedOver] | None = None,
+    ) -> list[Segment | None]:
+        """Before a message is written: take a segment for each large tensor and wait
+        for ring space for the rest, so that writing it cannot stall on a receiver that
+        stopped reading. On timeout nothing was written (the segments go back).
+
+        A message too large for that (more large tensors than half the segments in
+        flight, or more ring bytes than the ring) is written as it goes instead."""
+        sizes = [t.numel() for t in payload]
+        large = [i for i, n in enumerate(sizes)
+                 if n >= SEGMENT_THRESHOLD and not (handed and handed[i])]
+        segments: list[Segment | None] = [None] * len(sizes)
+        in_ring = frame_bytes + RECORD.size * len(sizes) + sum(
+            n for n in sizes if n < SEGMENT_THRESHOLD
+        )
+        if len(large) > self._max_in_flight // 2 or in_ring > RING_BYTES:
+            return segments
+        words = self._out.words
+        while True:
+            for i in large:
+                if segments[i] is None:
+                    segments[i] = self._pool.take(sizes[i], deadline)
+            if all(segments[i] is not None for i in large) and self.space() >= in_ring:
+                words[WAITING // 8] = 0
+                return segments
+            if time.monotonic() > deadline:
+                words[WAITING // 8] = 0
+                for seg in segments:
+                    if seg is not None:
+                        release_segment(self._out.states, seg.id)
+                raise CommTimeoutError(
+                    f"shm send to {self._peer} timed out before it began: the receiver "
+                    "holds all the ring and segments it may (it is not reading)"
+                )
+            self.wake_reader()  # the receiver may be asleep with data waiting
+            words[WAITING // 8] = 1  # it sends a token when it frees ring space
+            self._wait_token(deadline)
+
+    def send_payload(
+        self, tensors: Sequence[torch.Tensor], deadline: float,
+        segments: Sequence[Segment | None] | None = None,
+        handed: Sequence[HandedOver] | None = None,
+    ) -> None:
+        if handed is None and segments is None:
+            handed = self.handed_over(tensors)
+        for k, t in enumerate(tensors):
+            n = t.numel()
+            block = handed[k] if handed else None
+            if block is not None:  # only the fd travels
+                fd, offset, nbytes = block
+                self._signals.send_handed(fd, offset, nbytes, deadline)
+                self.write(RECORD.pack(HANDED_RECORD, 0, n), deadline)
+                continue
+            seg = segments[k] if segments else None
+            if seg is None and n >= SEGMENT_THRESHOLD:
+                seg = self._pool.take(n, deadline)
+            if seg is not None:
+                seg.tensor[:n].copy_(t)
+                self.write(RECORD.pack(SEGMENT, seg.id, n), deadline)
+            else:
+                self.write(RECORD.pack(INLINE, 0, n), deadline)
+                if n:
+                    self.write(t.numpy().tobytes() if n <= 4096 else t, deadline)
+

@@ -1,0 +1,156 @@
+"""The three parts of a connection, each alone: the inbox (pure), the sender and the
+reader, each over one end of a real in-process transport pair whose other end the test
+drives by hand. Over shared memory and over the registry proof's loopback TCP."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rlcomm.comm import codec, framing
+from rlcomm.comm.connection import Inbox, Incoming, Reader, ReaderState
+from rlcomm.comm.connection.incoming import read_message
+from rlcomm.comm.connection.receiver import start_receiver_thread
+from rlcomm.comm.connection.sender import Sender
+from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
+from rlcomm.errors import CommError, CommTimeoutError
+from tests.comm.pairs import transport_pair, two_stores
+from tests.comm.tcp_loopback import TcpLoopbackTransport
+
+KINDS = [
+    pytest.param(ShmTransport, id="shm", marks=pytest.mark.skipif(
+        not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")),
+    pytest.param(TcpLoopbackTransport, id="tcp_loopback"),
+]
+
+
+@pytest.fixture(params=KINDS)
+def ends(request):
+    a, b = transport_pair(two_stores(), "parts", request.param)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _msg(nbytes: int) -> Incoming:
+    msg = Incoming(codec.encode(b"")[0], b"x" * nbytes)
+    return msg
+
+
+def _send(transport, obj) -> None:
+    """Send ``obj`` as a connection would, straight on ``transport``."""
+    header, tensors = codec.encode(obj)
+    frame, payload = framing.pack(header, tensors)
+    transport.send_frame(frame, payload, 10)
+
+
+def _no_cuda(device, timeout):
+    raise AssertionError("no CUDA here")
+
+
+# -- the inbox -------------------------------------------------------------------------------------
+
+
+def test_the_inbox_counts_unread_bytes_against_its_cap():
+    inbox = Inbox(max_unread=100)
+    assert not inbox and not inbox.full
+    inbox.put(_msg(60))
+    assert not inbox.full
+    inbox.put(_msg(60))
+    assert inbox.full and len(inbox) == 2 and inbox.unread == 120
+    assert inbox.peek().nbytes == 60
+    assert inbox.take()  # 60 left: under the cap again, the driver may read on
+    assert not inbox.take()  # it was not full
+    assert not inbox and inbox.unread == 0
+
+
+# -- the sender ------------------------------------------------------------------------------------
+
+
+def test_the_sender_keeps_call_order_across_queued_and_inline_sends(ends):
+    a, b = ends
+    failures: list[CommError] = []
+    sender = Sender("b", lambda timeout: a, lambda: None, failures.append, _no_cuda)
+    sender.transport = a
+    futures = [sender.submit(*codec.encode(i), 10) for i in range(20)]
+    sender.send_inline(*codec.encode("inline"), 10)  # behind the queued ones
+    got = []
+    for _ in range(21):
+        msg = read_message(b, "a")
+        got.append(codec.decode(msg.header, msg.tensors))
+    assert got == [*range(20), "inline"]
+    assert all(f.done() and f.exception() is None for f in futures)
+    assert not failures
+    sender.close()
+
+
+def test_the_sender_refuses_to_send_on_a_failed_connection(ends):
+    a, _ = ends
+    lost = CommError("gone")
+    sender = Sender("b", lambda timeout: a, lambda: lost, lambda e: None, _no_cuda)
+    with pytest.raises(CommError, match="gone"):
+        sender.send_inline(*codec.encode(1), 10)
+    sender.close()
+
+
+# -- the reader ------------------------------------------------------------------------------------
+
+
+def _reader(transport) -> tuple[Reader, list[CommError]]:
+    failures: list[CommError] = []
+    reader = Reader("a", failures.append, lambda timeout: transport, _no_cuda)
+    reader.attach(transport)
+    return reader, failures
+
+
+def _receive(reader: Reader, timeout: float = 10):
+    msg = reader.receive(reader.take_ticket(), timeout, lambda m: (True, m), "recv")
+    return codec.decode(msg.header, msg.tensors)
+
+
+def test_a_receive_op_reads_its_own_message_without_a_driver(ends):
+    a, b = ends
+    reader, failures = _reader(b)
+    assert reader.pollable and reader.state is ReaderState.IDLE
+    for i in range(50):  # no receiver thread: the caller's fast path reads every one
+        _send(a, i)
+        assert _receive(reader) == i
+    assert reader.state is ReaderState.IDLE and not failures
+    with pytest.raises(CommTimeoutError):
+        _receive(reader, timeout=0.2)
+
+
+def test_a_stalled_payload_waits_for_the_receive_op_that_takes_it(ends):
+    a, b = ends
+    reader, _ = _reader(b)
+    src = torch.arange(300_000, dtype=torch.float32)
+    header, tensors = codec.encode_raw(src)
+    frame, payload = framing.pack(header, tensors)
+    a.send_frame(frame, payload, 10)
+    msg = reader.receive(reader.take_ticket(), 10, lambda m: (True, m), "recv_tensor")
+    assert msg.deferred and reader.state is ReaderState.STALLED
+    dst = torch.empty_like(src)
+    reader.read_deferred(msg, [codec.as_bytes(dst)], 10, "recv_tensor")
+    assert reader.state is ReaderState.IDLE and torch.equal(dst, src)
+
+
+def test_the_receiver_thread_stops_reading_at_the_inbox_cap(ends):
+    a, b = ends
+    reader, _ = _reader(b)
+    reader.inbox.max_unread = 1  # one message, then the driver stops
+    start_receiver_thread(reader)
+    big = torch.ones(10_000, dtype=torch.uint8)  # past the inline size: counted in bytes
+    sent = threading.Thread(target=lambda: [_send(a, big) for _ in range(3)])
+    sent.start()
+    deadline = time.monotonic() + 10
+    while len(reader.inbox) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(reader.inbox) == 1  # the driver waits while the inbox is full
+    for _ in range(3):  # each take makes room: the driver reads the next one
+        assert torch.equal(_receive(reader), big)
+    sent.join(timeout=10)
+    reader.set_error(CommError("done"))  # ends the receiver thread
