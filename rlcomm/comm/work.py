@@ -22,6 +22,11 @@ class AsyncWork:
         future: completes with the op's result.
         description: names the op and the peer, for timeout messages.
         timeout: default seconds for ``wait`` when none is given.
+        waiter: ``waiter(future, timeout) -> done``: how ``wait`` blocks, for an op whose
+            waiting thread can drive it (read its own reply); default: block on the future.
+        cancellable: an op that abandoning its wait withdraws: a ``wait`` or
+            ``async_wait`` that times out or is interrupted (an asyncio task cancelled,
+            ``KeyboardInterrupt``) cancels the future. Default: the op goes on.
     """
 
     def __init__(
@@ -29,10 +34,15 @@ class AsyncWork:
         future: concurrent.futures.Future,
         description: str = "op",
         timeout: float | None = None,
+        *,
+        waiter: Callable[[concurrent.futures.Future, float | None], bool] | None = None,
+        cancellable: bool = False,
     ):
         self._future = future
         self._description = description
         self._timeout = timeout
+        self._waiter = waiter
+        self._cancellable = cancellable
 
     @classmethod
     def completed(cls, value: Any = None, description: str = "op") -> AsyncWork:
@@ -65,13 +75,23 @@ class AsyncWork:
         """
         timeout = self._resolve_timeout(timeout)
         try:
+            if self._waiter is not None and not self._waiter(self._future, timeout):
+                raise concurrent.futures.TimeoutError
             return self._future.result(timeout=timeout)
         except CommTimeoutError:  # raised by the op itself (a TimeoutError too, since 3.11)
             raise
         except concurrent.futures.TimeoutError:
+            self._abandon()
             raise CommTimeoutError(
                 f"{self._description} did not complete within {timeout}s"
             ) from None
+        except BaseException:
+            self._abandon()  # interrupted; a no-op when the op itself failed
+            raise
+
+    def _abandon(self) -> None:
+        if self._cancellable:
+            self._future.cancel()
 
     def done(self) -> bool:
         """True once the op finished, successfully or not."""
@@ -81,8 +101,11 @@ class AsyncWork:
         """Await the op's result from asyncio (see :meth:`wait`)."""
         timeout = self._resolve_timeout(timeout)
         try:
-            # shield: a timed-out await must not cancel an op still queued behind others.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._future)), timeout)
+            waited = asyncio.wrap_future(self._future)
+            if not self._cancellable:
+                # shield: a timed-out await must not cancel an op still queued behind others.
+                waited = asyncio.shield(waited)
+            return await asyncio.wait_for(waited, timeout)
         except CommTimeoutError:
             raise
         except asyncio.TimeoutError:
@@ -105,6 +128,11 @@ class AsyncWork:
 
         self._future.add_done_callback(chain)
         return AsyncWork(out, self._description, self._timeout)
+
+    @property
+    def future(self) -> concurrent.futures.Future:
+        """The future the work completes (cancelling it cancels a ``cancellable`` op)."""
+        return self._future
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
