@@ -13,6 +13,7 @@ worker need not be able to import the item's classes.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -50,12 +51,23 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
         return codec.as_bytes(t).numpy().tobytes()
 
 
+#: Items the codec would pickle whole (kind ``OBJECT``) that need no walk for tensors: they
+#: are pickled here directly, into the same form, without the detour through a tensor.
+_PLAIN = frozenset((bytes, str, int, float, bool, type(None)))
+
+
 def encode_item(item: Any) -> tuple[Payload, list[torch.Tensor]]:
     """The payload of ``item`` and the tensors that travel beside the frame.
 
     Raises:
         CodecError: the item cannot be encoded.
     """
+    if type(item) in _PLAIN:
+        data = pickle.dumps(item, protocol=codec.PICKLE_PROTOCOL)
+        if len(data) <= INLINE_ITEM_BYTES:
+            meta = codec.TensorMeta("uint8", (len(data),), "cpu")
+            return Payload(codec.header_to_bytes(codec.MessageHeader(Kind.OBJECT, [meta])),
+                           data), []
     header, tensors = codec.encode(item)
     hb = codec.header_to_bytes(header)
     if not tensors:
