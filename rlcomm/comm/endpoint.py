@@ -36,6 +36,7 @@ from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout
 from rlcomm.comm.selector import Selector
+from rlcomm.comm.transports.shm_memory import RING_BYTES
 from rlcomm.errors import CommError
 from rlcomm.settings import get_settings
 
@@ -47,8 +48,11 @@ OnMessage = Callable[[bytes, list[torch.Tensor]], None]
 _LISTEN_OPTIONS = CollectiveGroupOptions(timeout=3600.0)
 _SEND_OPTIONS = CollectiveGroupOptions()
 
-__all__ = ["Endpoint", "OnMessage", "Peer", "PeerSelector", "WorkerAddress", "encode_message",
-           "owned", "parse_address"]
+#: Bytes of a shared-memory peer's ring: what it holds unread before a write waits on it.
+SHARED_MEMORY_RING_BYTES = RING_BYTES
+
+__all__ = ["SHARED_MEMORY_RING_BYTES", "Endpoint", "OnMessage", "Peer", "PeerSelector",
+           "WorkerAddress", "encode_message", "owned", "parse_address"]
 
 
 def encode_message(frame: bytes, tensors: list[torch.Tensor]) -> tuple[MessageHeader, list[torch.Tensor]]:

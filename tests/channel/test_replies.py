@@ -124,3 +124,14 @@ def test_an_outbox_hands_what_may_not_go_inline_to_its_own_thread_in_order():
     finally:
         release.set()
         executor.shutdown(wait=False)
+
+
+def test_the_worker_keeps_copies_of_large_received_tensors_only():
+    from rlcomm.comm.endpoint import owned
+    from rlcomm.settings import get_settings
+
+    big = torch.zeros(get_settings().shm_segment_threshold, dtype=torch.uint8)
+    small = torch.zeros(16)
+    kept = owned([big, small])
+    assert kept[0].data_ptr() != big.data_ptr() and torch.equal(kept[0], big)
+    assert kept[1] is small
