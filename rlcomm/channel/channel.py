@@ -62,8 +62,10 @@ class Channel(AsyncChannelOps):
 
     Items may be any picklable object; tensors in them (a tensor, lists, tuples and
     ``str``-keyed dicts of them, dataclasses holding them) travel as raw memory. A
-    dataclass item must be defined at module level of an importable module. Items of a
-    ``local=True`` channel are handed over as they are (no copy).
+    dataclass item must be defined at module level of an importable module. The producer
+    encodes an item once (in ``put``, so an item that cannot be encoded raises there) and
+    the consumer decodes it once; the channel worker stores and forwards it undecoded.
+    Items of a ``local=True`` channel are handed over as they are (no copy).
 
     The channel workers live as long as the process that created the channel (Ray
     ownership); :meth:`shutdown` ends them earlier.
