@@ -30,7 +30,7 @@ import torch
 
 from rlcomm.channel import protocol as P
 from rlcomm.channel.outbox import Outbox
-from rlcomm.channel.payload import StoredItem, encode_item, split_tensors
+from rlcomm.channel.payload import StoredItem, TensorCursor, encode_item
 from rlcomm.channel.requester import Entry, Requester
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.endpoint import Endpoint
@@ -100,20 +100,18 @@ class Link(Requester):
         self._replies_read += 1
         try:
             frame = P.decode_worker_frame(data)
-            per_item = split_tensors(P.frame_payloads(frame), tensors)
+            cursor = TensorCursor(tensors)
+            got = {reply.rid: [cursor.item(p) for p in reply.items]
+                   for reply in frame.replies if type(reply) is P.Got}
+            cursor.check_done()
         except (msgspec.DecodeError, ValueError) as exc:
             logger.error("channel %r: a malformed reply message from %s (%s); dropped",
                          self.channel, self.where, exc)
             return
-        at = 0
         for reply in frame.replies:
             tp = type(reply)
             if tp is P.Got:
-                n = len(reply.items)
-                items = [StoredItem(p, ts) for p, ts in zip(reply.items, per_item[at:at + n],
-                                                            strict=True)]
-                at += n
-                self.complete(reply.rid, P.OK, items, reply.weights)
+                self.complete(reply.rid, P.OK, got[reply.rid], reply.weights)
             elif tp is P.Done:
                 self.complete(reply.rid, P.OK)
             elif tp is P.Count:

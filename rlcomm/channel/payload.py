@@ -44,6 +44,10 @@ class StoredItem:
         return decode_item(self.payload, self.tensors)
 
 
+# decode() rebuilds an OBJECT item from its one buffer alone; the meta only counts it.
+_OBJECT_HEADER = codec.MessageHeader(Kind.OBJECT, [codec.TensorMeta("uint8", (0,), "cpu")])
+
+
 def _raw_bytes(t: torch.Tensor) -> bytes:
     try:
         return t.numpy().tobytes()
@@ -65,9 +69,7 @@ def encode_item(item: Any) -> tuple[Payload, list[torch.Tensor]]:
     if type(item) in _PLAIN:
         data = pickle.dumps(item, protocol=codec.PICKLE_PROTOCOL)
         if len(data) <= INLINE_ITEM_BYTES:
-            meta = codec.TensorMeta("uint8", (len(data),), "cpu")
-            return Payload(codec.header_to_bytes(codec.MessageHeader(Kind.OBJECT, [meta])),
-                           data), []
+            return Payload(b"", data), []
     header, tensors = codec.encode(item)
     hb = codec.header_to_bytes(header)
     if not tensors:
@@ -106,10 +108,43 @@ def decode_item(payload: Payload, tensors: list[torch.Tensor]) -> Any:
         CodecError: the payload is not a valid item here (a class this process cannot
             import, strict mode refusing a pickle, a corrupt header).
     """
+    if not payload.header:  # the codec's OBJECT form: ``data`` is the item's pickle
+        return codec.decode(_OBJECT_HEADER, [payload.data])
     header = codec.header_from_bytes(payload.header)
     if not payload.tensors:
         tensors = _split(header, payload.data)
     return codec.decode(header, tensors)
+
+
+class TensorCursor:
+    """Hands out a message's tensors to its payloads, in the order they own them."""
+
+    __slots__ = ("_tensors", "_at")
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self._tensors = tensors
+        self._at = 0
+
+    def item(self, payload: Payload) -> StoredItem:
+        """The stored item of ``payload`` with the next ``payload.tensors`` tensors.
+
+        Raises:
+            ValueError: the message holds fewer tensors.
+        """
+        n = payload.tensors
+        if not n:
+            return StoredItem(payload, [])
+        at = self._at
+        if at + n > len(self._tensors):
+            raise ValueError(f"the message holds {len(self._tensors)} tensors; its items own more")
+        self._at = at + n
+        return StoredItem(payload, self._tensors[at:at + n])
+
+    def check_done(self) -> None:
+        """Raises ``ValueError`` if the message holds tensors no item owns."""
+        if self._at != len(self._tensors):
+            raise ValueError(f"the message holds {len(self._tensors)} tensors but its items "
+                             f"own {self._at}")
 
 
 def split_tensors(payloads: list[Payload], tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -118,11 +153,7 @@ def split_tensors(payloads: list[Payload], tensors: list[torch.Tensor]) -> list[
     Raises:
         ValueError: the payloads own more or fewer tensors than the message holds.
     """
-    out, at = [], 0
-    for p in payloads:
-        n = p.tensors
-        out.append(tensors[at:at + n] if n else [])
-        at += n
-    if at != len(tensors):
-        raise ValueError(f"the message holds {len(tensors)} tensors but its items own {at}")
+    cursor = TensorCursor(tensors)
+    out = [cursor.item(p).tensors for p in payloads]
+    cursor.check_done()
     return out

@@ -60,7 +60,8 @@ class Payload(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One item, encoded by its producer (see :mod:`~rlcomm.channel.payload`).
 
     Attributes:
-        header: the msgpack bytes of the item's codec header.
+        header: the msgpack bytes of the item's codec header; empty for an item in the
+            codec's ``OBJECT`` form (a plain value) whose pickle is ``data``.
         data: the item's payload bytes when they ride in the frame (a small CPU item).
         tensors: how many of the message's tensors are this item's (0 when ``data``
             holds them).

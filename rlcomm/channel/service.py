@@ -56,7 +56,7 @@ import torch
 from rlcomm.channel import protocol as P
 from rlcomm.channel.core import ChannelCore
 from rlcomm.channel.outbox import Outbox
-from rlcomm.channel.payload import StoredItem, split_tensors
+from rlcomm.channel.payload import StoredItem, TensorCursor
 from rlcomm.channel.replies import ReadWindow, message_bytes
 from rlcomm.channel.routing import HomeTable
 from rlcomm.channel.state import Delivery
@@ -179,23 +179,24 @@ class ChannelService:
         of transport memory (:func:`~rlcomm.comm.endpoint.owned`)."""
         try:
             frame = P.decode_client_frame(data)
-            per_item = iter(split_tensors(P.frame_payloads(frame), owned(tensors)))
+            cursor = TensorCursor(owned(tensors) if tensors else tensors)
+            requests = frame.requests
+            routes = False
+            for req in requests:
+                tp = type(req)
+                if tp is P.Put:
+                    req.item = cursor.item(req.item)
+                elif tp is P.Requeue:
+                    req.items = [cursor.item(p) for p in req.items]
+                elif tp is P.Route:
+                    routes = True
+            cursor.check_done()
         except (msgspec.DecodeError, ValueError) as exc:
             logger.error("channel %r: a malformed request message from %s (%s); dropped",
                          self._channel_name, client, exc)
             return
         if frame.read >= 0 and (replies := self._replies.get(client)) is not None:
             replies.window.read(frame.read)
-        requests = frame.requests
-        routes = False
-        for req in requests:
-            tp = type(req)
-            if tp is P.Put:
-                req.item = StoredItem(req.item, next(per_item))
-            elif tp is P.Requeue:
-                req.items = [StoredItem(p, next(per_item)) for p in req.items]
-            elif tp is P.Route:
-                routes = True
         if routes:
             requests = self._route(client, requests)
         if requests:

@@ -36,6 +36,7 @@ from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout
 from rlcomm.comm.selector import Selector
+from rlcomm.comm.transports import pool
 from rlcomm.comm.transports.shm_memory import RING_BYTES
 from rlcomm.errors import CommError
 from rlcomm.settings import get_settings
@@ -67,10 +68,18 @@ def encode_message(frame: bytes, tensors: list[torch.Tensor]) -> tuple[MessageHe
 def owned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors``, with copies of those that may be views of transport memory (a large
     shared-memory payload is a view of the sender's segment, which goes back to the
-    sender only once the view is freed)."""
+    sender only once the view is freed). The copies live in the process's pool of
+    reused receive buffers (fresh memory would fault its pages in on every copy)."""
     threshold = get_settings().shm_segment_threshold
-    return [t.clone() if t.is_cpu and t.numel() * t.element_size() >= threshold else t
-            for t in tensors]
+    out = []
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if t.is_cpu and n >= threshold:
+            buf = pool.take(n)
+            buf.copy_(codec.as_bytes(t))
+            t = buf.view(t.dtype).view(t.shape)
+        out.append(t)
+    return out
 
 
 class Peer:
