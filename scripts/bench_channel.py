@@ -2,8 +2,9 @@
 """Channel throughput: rlcomm channels beside ``ray.util.queue.Queue``, in one run.
 
 One producer worker streams items to one consumer worker through a queue (each worker
-its own process, all on one node), for two item kinds: 1 KiB ``bytes`` and 1 MiB float32
-CPU tensors. Each kind runs
+its own process, all on one node), for four item kinds: 1 KiB ``bytes``, 1 MiB float32
+CPU tensors, and large items: 64 MiB float32 CPU tensors and 64 MiB ``bytes`` (pickled by
+the codec). ``--kinds`` picks some; ``--no-ray`` leaves Ray's queue out. Each kind runs
 
 - *one at a time*: the producer calls a blocking ``put(item)`` per item, the consumer a
   blocking ``get()`` per item (rlcomm ``Channel.put/get``; Ray ``Queue.put/get``);
@@ -45,9 +46,16 @@ MIB = 1 << 20
 POLL = 0.001
 
 
+KINDS = ("1 KiB", "1 MiB", "64 MiB", "64 MiB bytes")
+
+
 def make_item(kind: str) -> Any:
     if kind == "1 KiB":
         return bytes(KIB)
+    if kind == "64 MiB":
+        return torch.ones(64 * MIB // 4, dtype=torch.float32)
+    if kind == "64 MiB bytes":
+        return bytes(64 * MIB)
     return torch.ones(MIB // 4, dtype=torch.float32)
 
 
@@ -83,6 +91,12 @@ class Producer(Worker):
             for work in previous + window:
                 work.wait()
         return start
+
+    def where(self) -> str:
+        """Where this worker imported rlcomm from."""
+        import rlcomm
+
+        return rlcomm.__file__
 
     def put_latency(self, queue: Any, backend: str, kind: str, n: int) -> float:
         """Seconds per blocking put, nobody consuming (the queue is unbounded)."""
@@ -204,7 +218,7 @@ class Bench:
         row["p2p_round_trip_us"] = self.producer.ping("bench_channel_consumer", kind, n).wait(
             timeout=600)[0] * 1e6
         pong.wait(timeout=600)
-        for backend in ("rlcomm", "ray"):
+        for backend in self.backends:
             queue = self._queue(backend)
             try:
                 self.producer.put_latency(queue, backend, kind, 20).wait(timeout=600)
@@ -217,17 +231,29 @@ class Bench:
             row[f"{backend}_get_us"] = get * 1e6
         self.latency.append(row)
 
-    def run(self) -> None:
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return ("rlcomm",) if self.args.no_ray else ("rlcomm", "ray")
+
+    def cases(self) -> list[tuple[str, int, int, int]]:
         a = self.args
-        for kind, n_one, n_batched, batch in (
+        every = (
             ("1 KiB", a.small_items, a.small_batched_items, a.small_batch),
             ("1 MiB", a.tensor_items, a.tensor_batched_items, a.tensor_batch),
-        ):
-            for backend in ("rlcomm", "ray"):
+            ("64 MiB", a.large_items, a.large_batched_items, a.large_batch),
+            ("64 MiB bytes", a.large_items, a.large_batched_items, a.large_batch),
+        )
+        wanted = a.kinds.split(",") if a.kinds else KINDS
+        return [case for case in every if case[0] in wanted]
+
+    def run(self) -> None:
+        for kind, n_one, n_batched, batch in self.cases():
+            for backend in self.backends:
                 self.throughput(backend, "one", kind, n_one, 1)
                 self.throughput(backend, "batched", kind, n_batched, batch)
             self.throughput("rlcomm", "pipelined", kind, n_one, batch)
-            self.breakdown(kind, max(50, n_one // 4))
+            if not kind.startswith("64"):
+                self.breakdown(kind, max(50, n_one // 4))
 
     def _rate(self, backend: str, mode: str, kind: str) -> float:
         for r in self.records:
@@ -239,8 +265,9 @@ class Bench:
         lines = [
             f"{'case':44s} {'rlcomm/s':>10s} {'ray/s':>10s} {'ratio':>7s} {'target':>7s}",
         ]
-        for kind, batch in (("1 KiB", self.args.small_batch), ("1 MiB", self.args.tensor_batch)):
-            what = "1 KiB bytes" if kind == "1 KiB" else "1 MiB tensor"
+        for kind, _, _, batch in self.cases():
+            what = {"1 KiB": "1 KiB bytes", "1 MiB": "1 MiB tensor", "64 MiB": "64 MiB tensor"
+                    }.get(kind, kind)
             cases = (
                 ("one", "one", f"{what}, one at a time", ">=10x"),
                 ("batched", "batched", f"{what}, batched (B={batch})", ">=2x"),
@@ -254,11 +281,17 @@ class Bench:
         lines.append(f"{'per item, microseconds':24s} {'p2p send+recv':>14s} {'channel put':>12s} "
                      f"{'channel get':>12s} {'ray put':>9s} {'ray get':>9s}")
         for row in self.latency:
+            nan = float("nan")
             lines.append(
                 f"{row['kind']:24s} {row['p2p_round_trip_us']:14.0f} {row['rlcomm_put_us']:12.0f} "
-                f"{row['rlcomm_get_us']:12.0f} {row['ray_put_us']:9.0f} {row['ray_get_us']:9.0f}"
+                f"{row['rlcomm_get_us']:12.0f} {row.get('ray_put_us', nan):9.0f} "
+                f"{row.get('ray_get_us', nan):9.0f}"
             )
         return "\n".join(lines)
+
+    def rlcomm_path(self) -> str:
+        """Where the workers import rlcomm from (a before/after comparison checks it)."""
+        return self.producer.where().wait(timeout=60)[0]
 
     def shutdown(self) -> None:
         self.producer.shutdown()
@@ -273,6 +306,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-items", type=int, default=200, help="1 MiB tensors, one at a time")
     parser.add_argument("--tensor-batched-items", type=int, default=1000)
     parser.add_argument("--tensor-batch", type=int, default=10)
+    parser.add_argument("--large-items", type=int, default=16, help="64 MiB items, one at a time")
+    parser.add_argument("--large-batched-items", type=int, default=32)
+    parser.add_argument("--large-batch", type=int, default=4)
+    parser.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)}")
+    parser.add_argument("--no-ray", action="store_true", help="leave ray.util.queue out")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--address", default="local",
                         help="Ray address: 'local' starts a fresh Ray, 'auto' joins a running one")
@@ -290,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         init["num_cpus"] = args.num_cpus
     ray.init(**init)
     bench = Bench(args)
+    where = bench.rlcomm_path()
+    print(f"rlcomm from {where}", flush=True)
     try:
         bench.run()
     finally:
@@ -299,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump({
                 "args": vars(args),
+                "rlcomm": where,
                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                             "ray": ray.__version__, "torch": torch.__version__},
                 "throughput": bench.records,

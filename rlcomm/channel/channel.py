@@ -10,41 +10,26 @@ where a distributed channel's keys live.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import threading
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-import ray
-
-from rlcomm.channel import lifecycle
+from rlcomm.channel import lifecycle, local
 from rlcomm.channel import protocol as P
-from rlcomm.channel.client import LocalLink, Requester, RequestFuture, cached_link, link_to
-from rlcomm.channel.itemtype import check_item, describe_type, validate_type
+from rlcomm.channel.aio import AsyncChannelOps
+from rlcomm.channel.itemtype import check_put, validate_type
 from rlcomm.channel.lifecycle import ChannelInfo
-from rlcomm.channel.routing import RouteCache
+from rlcomm.channel.local import LocalLink
+from rlcomm.channel.requester import Requester
+from rlcomm.channel.routing import REPLY_GRACE, KeyRouter
 from rlcomm.cluster import Cluster
 from rlcomm.comm.options import default_timeout
 from rlcomm.comm.work import AsyncWork
-from rlcomm.errors import (
-    ChannelClosedError,
-    ChannelError,
-    ChannelTypeError,
-    CommTimeoutError,
-)
+from rlcomm.errors import ChannelClosedError, ChannelError
 
-#: Seconds a client waits for a reply beyond the request's own timeout (the channel
-#: worker answers a timed-out request itself; this only catches a worker that hangs).
-REPLY_GRACE = 30.0
-
-# The local channels of this process, by name.
-_local_channels: dict[str, Channel] = {}
-_local_lock = threading.Lock()
+__all__ = ["REPLY_GRACE", "Channel"]
 
 
-class Channel:
+class Channel(AsyncChannelOps):
     """A handle on a channel: a named queue of items per key.
 
     Create one with :meth:`create` (or ``Worker.create_channel``) and reach it from any
@@ -77,8 +62,10 @@ class Channel:
 
     Items may be any picklable object; tensors in them (a tensor, lists, tuples and
     ``str``-keyed dicts of them, dataclasses holding them) travel as raw memory. A
-    dataclass item must be defined at module level of an importable module. Items of a
-    ``local=True`` channel are handed over as they are (no copy).
+    dataclass item must be defined at module level of an importable module. The producer
+    encodes an item once (in ``put``, so an item that cannot be encoded raises there) and
+    the consumer decodes it once; the channel worker stores and forwards it undecoded.
+    Items of a ``local=True`` channel are handed over as they are (no copy).
 
     The channel workers live as long as the process that created the channel (Ray
     ownership); :meth:`shutdown` ends them earlier.
@@ -87,7 +74,7 @@ class Channel:
     def __init__(self, info: ChannelInfo, local_link: LocalLink | None = None):
         self._info = info
         self._local = local_link
-        self._routes: RouteCache | None = None
+        self._router = KeyRouter(info, local_link)
 
     # -- creation and lookup ------------------------------------------------------------
 
@@ -139,12 +126,8 @@ class Channel:
     def _create_local(cls, name: str, maxsize: int, item_type: Any, distributed: bool) -> Channel:
         if distributed:
             raise ValueError("create_channel: a local channel cannot be distributed")
-        with _local_lock:
-            if name in _local_channels:
-                raise ChannelError(f"a local channel named {name!r} exists already in this process")
-            info = ChannelInfo(name, maxsize, item_type, False, "", (), uuid.uuid4().hex[:12], True)
-            channel = _local_channels[name] = cls(info, LocalLink(name, maxsize))
-        return channel
+        info = ChannelInfo(name, maxsize, item_type, False, "", (), uuid.uuid4().hex[:12], True)
+        return local.register(name, lambda: cls(info, LocalLink(name, maxsize)))
 
     @classmethod
     def connect(cls, channel_name: str, timeout: float = 60.0) -> Channel:
@@ -155,9 +138,9 @@ class Channel:
         Raises:
             ChannelError: no such channel after ``timeout`` seconds.
         """
-        local = _local_channels.get(channel_name)
-        if local is not None:
-            return local
+        found = local.find(channel_name)
+        if found is not None:
+            return found
         return cls(lifecycle.lookup(channel_name, timeout))
 
     # -- properties -------------------------------------------------------------------------
@@ -218,8 +201,8 @@ class Channel:
         """
         self._check_item(item, key, "put")
         t = self._timeout(timeout)
-        fut = self._requester(key).submit(P.PUT, key, weight, t, item, inline=not async_op)
-        return self._finish(fut, "put", key, t, async_op)
+        requester = self._router.requester(key)
+        return self._put(requester, P.Put(P.NO_REPLY, key, weight, t, item), t, async_op)
 
     def put_nowait(self, item: Any, weight: float = 0, key: P.Key = "default") -> None:
         """Put ``item`` on ``key`` if there is room now.
@@ -229,18 +212,9 @@ class Channel:
             ChannelTypeError, ChannelClosedError, ChannelLostError: as for :meth:`put`.
         """
         self._check_item(item, key, "put_nowait")
-        fut = self._requester(key).submit(P.PUT_NOWAIT, key, weight, None, item)
-        return self._finish(fut, "put_nowait", key, default_timeout(), False)
-
-    async def aput(
-        self, item: Any, weight: float = 0, key: P.Key = "default", timeout: float | None = None
-    ) -> None:
-        """:meth:`put` for asyncio: never blocks the event loop (default loop or uvloop)."""
-        self._check_item(item, key, "put")
-        t = self._timeout(timeout)
-        requester = await self._arequester(key)
-        fut = requester.submit(P.PUT, key, weight, t, item, inline=False)
-        await self._await(fut, "put", key, t)
+        requester = self._router.requester(key)
+        req = P.Put(P.NO_REPLY, key, weight, None, item, nowait=True)
+        return self._put(requester, req, default_timeout(), False)
 
     # -- gets -------------------------------------------------------------------------------
 
@@ -259,8 +233,7 @@ class Channel:
             ChannelLostError: the channel worker is gone.
         """
         t = self._timeout(timeout)
-        fut = self._requester(key).submit(P.GET, key, None, t, None, inline=not async_op)
-        return self._finish(fut, "get", key, t, async_op)
+        return self._request(self._router.requester(key), P.Get(P.NO_REPLY, key, t), t, async_op)
 
     def get_nowait(self, key: P.Key = "default") -> Any:
         """Take the next item of ``key`` if it holds one now.
@@ -269,8 +242,8 @@ class Channel:
             ChannelEmpty: the key holds no item.
             ChannelClosedError: the channel is closed and the key drained.
         """
-        fut = self._requester(key).submit(P.GET_NOWAIT, key, None, None, None)
-        return self._finish(fut, "get_nowait", key, default_timeout(), False)
+        req = P.Get(P.NO_REPLY, key, None, nowait=True)
+        return self._request(self._router.requester(key), req, default_timeout(), False)
 
     def get_batch(
         self,
@@ -299,53 +272,17 @@ class Channel:
         if not target_weight > 0:
             raise ValueError(f"get_batch: target_weight must be > 0, got {target_weight!r}")
         t = self._timeout(timeout)
-        fut = self._requester(key).submit(P.GET_BATCH, key, target_weight, t, None,
-                                          inline=not async_op)
-        return self._finish(fut, "get_batch", key, t, async_op)
-
-    async def aget(self, key: P.Key = "default", timeout: float | None = None) -> Any:
-        """:meth:`get` for asyncio. Cancelling the awaiting task withdraws the request;
-        an item already on its way goes back to the head of the key."""
-        t = self._timeout(timeout)
-        requester = await self._arequester(key)
-        fut = requester.submit(P.GET, key, None, t, None, inline=False)
-        return await self._await(fut, "get", key, t)
-
-    async def aget_batch(
-        self, target_weight: float, key: P.Key = "default", timeout: float | None = None
-    ) -> list[Any]:
-        """:meth:`get_batch` for asyncio (cancellation as for :meth:`aget`)."""
-        if not target_weight > 0:
-            raise ValueError(f"get_batch: target_weight must be > 0, got {target_weight!r}")
-        t = self._timeout(timeout)
-        requester = await self._arequester(key)
-        fut = requester.submit(P.GET_BATCH, key, target_weight, t, None, inline=False)
-        return await self._await(fut, "get_batch", key, t)
-
-    async def stream(self, key: P.Key = "default", timeout: float | None = None) -> AsyncIterator[Any]:
-        """``async for item in channel.stream(key)``: the items of ``key`` until the
-        channel is closed and drained.
-
-        Args:
-            timeout: seconds to wait for each item (default: rlcomm's op timeout);
-                :class:`~rlcomm.CommTimeoutError` ends the iteration with an error.
-        """
-        while True:
-            try:
-                item = await self.aget(key, timeout)
-            except ChannelClosedError:
-                return
-            yield item
+        req = P.GetBatch(P.NO_REPLY, key, target_weight, t)
+        return self._request(self._router.requester(key), req, t, async_op)
 
     # -- state ------------------------------------------------------------------------------
 
     def qsize(self, key: P.Key = "default") -> int:
         """The number of items queued on ``key`` now."""
-        requester = self._requester(key, assign=False)
+        requester = self._router.requester(key, assign=False)
         if requester is None:
             return 0
-        fut = requester.submit(P.QSIZE, key)
-        return self._finish(fut, "qsize", key, default_timeout(), False)
+        return self._request(requester, P.QSize(P.NO_REPLY, key), default_timeout(), False)
 
     def empty(self, key: P.Key = "default") -> bool:
         """Whether ``key`` holds no item now."""
@@ -367,30 +304,18 @@ class Channel:
             return self._local.core.peek(key)
         if not self._info.distributed:
             return lifecycle.worker_peek(self._info, 0, key)
-        rank = self._route_cache().get(key)
-        if rank is None:
-            fut = self._link(0).submit(P.ROUTE, key, -1)
-            rank = self._finish(fut, "route", key, default_timeout(), False)
-            if rank < 0:
-                return []
-        return lifecycle.worker_peek(self._info, rank, key)
+        rank = self._router.home(key, assign=False)
+        return [] if rank < 0 else lifecycle.worker_peek(self._info, rank, key)
 
     def close(self) -> None:
         """Close the channel, for every key and every handle (see the class docstring).
 
         Idempotent. Requests this process posted before ``close`` are applied first.
         """
-        futs = [(r, r.submit(P.CLOSE, "")) for r in self._all_requesters()]
-        for _, fut in futs:
-            self._finish(fut, "close", "", default_timeout(), False)
-
-    async def aclose(self) -> None:
-        """:meth:`close` for asyncio."""
-        loop = asyncio.get_running_loop()
-        requesters = await loop.run_in_executor(None, self._all_requesters)
-        futs = [r.submit(P.CLOSE, "", inline=False) for r in requesters]
-        for fut in futs:
-            await self._await(fut, "close", "", default_timeout())
+        works = [self._request(r, P.Close(P.NO_REPLY), default_timeout(), True)
+                 for r in self._router.all()]
+        for work in works:
+            work.wait()
 
     def shutdown(self) -> None:
         """End the channel workers now (their queued items are lost) and free the name.
@@ -398,9 +323,7 @@ class Channel:
         Later calls on any handle raise :class:`~rlcomm.ChannelLostError`.
         """
         if self._local is not None:
-            with _local_lock:
-                if _local_channels.get(self.name) is self:
-                    del _local_channels[self.name]
+            local.unregister(self.name, self)
             self._local.core.stop()
             self._local.lose(ChannelClosedError(f"channel {self.name!r} was shut down"))
             return
@@ -413,13 +336,6 @@ class Channel:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    async def __aenter__(self) -> Channel:
-        """``async with``: closes the channel (:meth:`aclose`) on exit."""
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     def stats(self) -> list[dict[str, Any]]:
         """Per channel worker: its node id and counters (items put and got per key).
@@ -452,17 +368,7 @@ class Channel:
     # -- internals --------------------------------------------------------------------------
 
     def _check_item(self, item: Any, key: P.Key, op: str) -> None:
-        if not isinstance(key, str | int) or isinstance(key, bool):
-            raise TypeError(f"channel {self.name!r}: a key must be a str or an int, got {key!r}")
-        tp = self._info.item_type
-        if tp is None:
-            return
-        problem = check_item(item, tp)
-        if problem is not None:
-            raise ChannelTypeError(
-                f"channel {self.name!r}: {op} on key {key!r}: expected an item of type "
-                f"{describe_type(tp)}, but {problem}; nothing was enqueued"
-            )
+        check_put(self.name, self._info.item_type, item, key, op)
 
     @staticmethod
     def _timeout(timeout: float | None) -> float:
@@ -472,84 +378,21 @@ class Channel:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
         return float(timeout)
 
-    def _link(self, rank: int) -> Requester:
-        info = self._info
-        return link_to(info.name, info.maxsize, info.group_name, rank, info.incarnation)
+    def _put(self, requester: Requester, req: P.Put, timeout: float, async_op: bool) -> Any:
+        """Encode the put's item (in a channel with a worker) and send it."""
+        req.item, tensors = requester.prepare_item(req.item)
+        return self._request(requester, req, timeout, async_op, tensors)
 
-    def _requester(self, key: P.Key, assign: bool = True) -> Requester:
-        """The requester that serves ``key`` (``None`` only for an unrouted key with
-        ``assign=False``)."""
-        if self._local is not None:
-            return self._local
-        if not self._info.distributed:
-            return self._link(0)
-        routes = self._route_cache()
-        rank = routes.get(key)
-        if rank is None:
-            fut = self._link(0).submit(P.ROUTE, key, routes.local_rank if assign else -1)
-            rank = self._finish(fut, "route", key, default_timeout(), False)
-            if rank < 0:
-                return None  # type: ignore[return-value]
-            routes.remember(key, rank)
-        return self._link(rank)
-
-    async def _arequester(self, key: P.Key) -> Requester:
-        """:meth:`_requester`, off the event loop when it has to set something up."""
-        if self._local is not None:
-            return self._local
-        info = self._info
-        rank = 0 if not info.distributed else (self._routes.get(key) if self._routes else None)
-        if rank is not None:
-            link = cached_link(info.group_name, rank, info.incarnation)
-            if link is not None:
-                return link
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self._requester, key)
-
-    def _route_cache(self) -> RouteCache:
-        if self._routes is None:
-            self._routes = RouteCache(self._info.node_ids, ray.get_runtime_context().get_node_id())
-        return self._routes
-
-    def _all_requesters(self) -> list[Requester]:
-        if self._local is not None:
-            return [self._local]
-        return [self._link(r) for r in range(len(self._info.node_ids))]
-
-    def _finish(
-        self, fut: RequestFuture, op: str, key: P.Key, timeout: float, async_op: bool
+    def _request(
+        self, requester: Requester, req: P.Request, timeout: float, async_op: bool,
+        tensors: list | None = None,
     ) -> Any:
-        wait = timeout + REPLY_GRACE
-        if async_op:
-            return AsyncWork(fut, f"channel {self.name!r}: {op} on key {key!r}", wait)
-        try:
-            if not fut.requester.wait_reply(fut, wait):
-                raise concurrent.futures.TimeoutError
-            return fut.result(0)
-        except CommTimeoutError:  # the op's own timeout (a TimeoutError too, since 3.11)
-            raise
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise CommTimeoutError(
-                f"channel {self.name!r}: {op} on key {key!r}: the channel worker did not "
-                f"answer within {wait}s"
-            ) from None
-        except BaseException:
-            # Interrupted (KeyboardInterrupt, ...): withdraw the request so that no item
-            # goes to a caller that stopped waiting. A no-op when the op itself failed.
-            fut.cancel()
-            raise
+        """Send ``req``; its :class:`~rlcomm.AsyncWork` with ``async_op``, else its result.
 
-    async def _await(
-        self, fut: concurrent.futures.Future, op: str, key: P.Key, timeout: float
-    ) -> Any:
-        wait = timeout + REPLY_GRACE
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), wait)
-        except CommTimeoutError:
-            raise
-        except asyncio.TimeoutError:
-            raise CommTimeoutError(
-                f"channel {self.name!r}: {op} on key {key!r}: the channel worker did not "
-                f"answer within {wait}s"
-            ) from None
+        ``timeout`` is the request's own; the work waits :data:`REPLY_GRACE` longer for
+        the worker's answer, then withdraws the request.
+        """
+        fut = requester.submit(req, tensors, inline=not async_op)
+        what = f"channel {self.name!r}: {P.op_name(req)} on key {getattr(req, 'key', '')!r}"
+        work = requester.work(fut, what, timeout + REPLY_GRACE)
+        return work if async_op else work.wait()

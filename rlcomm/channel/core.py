@@ -31,10 +31,14 @@ class ChannelCore:
         name: the channel's name, for messages.
         maxsize: items per key; 0 for unbounded.
         deliver: called outside the lock with the replies due to each client, in order.
+        view: turns a stored item into what :meth:`peek` shows (a channel worker stores
+            encoded items); ``None``: the item itself.
     """
 
-    def __init__(self, name: str, maxsize: int, deliver: Deliver):
+    def __init__(self, name: str, maxsize: int, deliver: Deliver,
+                 view: Callable[[Any], Any] | None = None):
         self.name = name
+        self._view = view
         self._state = ChannelState(name, maxsize)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -49,23 +53,24 @@ class ChannelCore:
     def maxsize(self) -> int:
         return self._state.maxsize
 
-    def handle(self, client: Hashable, heads: list[tuple], items: list[Any]) -> None:
+    def handle(self, client: Hashable, requests: list[P.Request]) -> None:
         """Apply the requests of one message from ``client`` and deliver the replies."""
         out: list[Delivery] = []
         now = time.monotonic()
         with self._lock:
             before = self._state.next_deadline()
-            for head, item in zip(heads, items, strict=True):
+            for req in requests:
                 try:
-                    self._state.handle(client, head, item, now, out)
+                    self._state.handle(client, req, now, out)
                 except Exception as exc:  # noqa: BLE001 - answered to the requester
-                    logger.exception("channel %r: request %r failed", self.name, head[:3])
-                    if head[1] != P.NO_REPLY:
+                    logger.exception("channel %r: request %s failed", self.name, P.op_name(req))
+                    rid = P.rid_of(req)
+                    if rid != P.NO_REPLY:
                         text = (
-                            f"channel {self.name!r}: {P.op_name(head[0])} on key {head[2]!r} "
-                            f"failed in the channel worker: {exc!r}"
+                            f"channel {self.name!r}: {P.op_name(req)} on key "
+                            f"{getattr(req, 'key', '')!r} failed in the channel worker: {exc!r}"
                         )
-                        out.append((client, (head[1], P.ERROR, None), text, None))
+                        out.append(Delivery(client, rid, P.ERROR, text))
             after = self._state.next_deadline()
             if after is not None and (before is None or after < before):
                 self._wake.notify()
@@ -88,7 +93,8 @@ class ChannelCore:
     def peek(self, key: P.Key) -> list[Any]:
         """The items queued on ``key`` now, head first (not taken)."""
         with self._lock:
-            return self._state.peek(key)
+            items = self._state.peek(key)
+        return items if self._view is None else [self._view(item) for item in items]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -105,7 +111,7 @@ class ChannelCore:
             return
         by_client: dict[Hashable, list[Delivery]] = {}
         for d in out:
-            by_client.setdefault(d[0], []).append(d)
+            by_client.setdefault(d.client, []).append(d)
         for client, deliveries in by_client.items():
             try:
                 self._deliver(client, deliveries)

@@ -22,6 +22,8 @@ import types
 import typing
 from typing import Any
 
+from rlcomm.errors import ChannelTypeError
+
 _UNION_ORIGINS = (typing.Union, types.UnionType)
 _SEQUENCE_ORIGINS = (
     list, set, frozenset, collections.abc.Sequence, collections.abc.MutableSequence,
@@ -146,3 +148,22 @@ def _first(problems: Any) -> str | None:
         if p is not None:
             return p
     return None
+
+
+def check_put(channel: str, item_type: Any, item: Any, key: Any, op: str) -> None:
+    """Check a put's key, and its item against the channel's ``item_type`` (``None``: any).
+
+    Raises:
+        TypeError: the key is not a ``str`` or an ``int``.
+        ChannelTypeError: the item does not match (nothing was enqueued).
+    """
+    if not isinstance(key, str | int) or isinstance(key, bool):
+        raise TypeError(f"channel {channel!r}: a key must be a str or an int, got {key!r}")
+    if item_type is None:
+        return
+    problem = check_item(item, item_type)
+    if problem is not None:
+        raise ChannelTypeError(
+            f"channel {channel!r}: {op} on key {key!r}: expected an item of type "
+            f"{describe_type(item_type)}, but {problem}; nothing was enqueued"
+        )

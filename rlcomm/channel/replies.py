@@ -35,10 +35,10 @@ import torch
 
 from rlcomm.comm import codec
 from rlcomm.comm.codec import MessageHeader
-from rlcomm.comm.transports.shm_memory import RING_BYTES
+from rlcomm.comm.endpoint import SHARED_MEMORY_RING_BYTES
 
 #: Bytes of replies a client may have unread while replies to it still go inline.
-WINDOW_BYTES = RING_BYTES // 2
+WINDOW_BYTES = SHARED_MEMORY_RING_BYTES // 2
 #: Reply messages a client may have unread while replies to it still go inline (each
 #: may cost one wake-up token on the signal socket, which holds a few hundred).
 WINDOW_MESSAGES = 64

@@ -20,10 +20,21 @@ at random over nodes, a non-distributed channel is simpler and no slower.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
+from typing import Any
 
-from rlcomm.channel.protocol import Key
+import ray
+
+from rlcomm.channel.client import cached_link, link_to
+from rlcomm.channel.protocol import NO_REPLY, Key, Route
+from rlcomm.channel.requester import Requester
+from rlcomm.comm.options import default_timeout
+
+#: Seconds a client waits for a reply beyond the request's own timeout (the channel
+#: worker answers a timed-out request itself; this only catches a worker that hangs).
+REPLY_GRACE = 30.0
 
 
 class HomeTable:
@@ -66,3 +77,74 @@ class RouteCache:
 
     def remember(self, key: Key, rank: int) -> None:
         self._homes[key] = rank
+
+
+class KeyRouter:
+    """Which requester serves a key of one channel, for one handle.
+
+    A non-distributed channel has one worker; a distributed one asks the coordinator for
+    a key's home once (a ``Route`` request) and caches it (:class:`RouteCache`). A local
+    channel's own link serves every key.
+
+    Args:
+        info: the channel's :class:`~rlcomm.channel.lifecycle.ChannelInfo`.
+        local: the link of a local channel, else ``None``.
+    """
+
+    def __init__(self, info: Any, local: Requester | None):
+        self._info = info
+        self._local = local
+        self._routes: RouteCache | None = None
+
+    def link(self, rank: int) -> Requester:
+        info = self._info
+        return link_to(info.name, info.maxsize, info.group_name, rank, info.incarnation)
+
+    def home(self, key: Key, assign: bool) -> int:
+        """The home rank of ``key`` (asked of the coordinator once); -1 when it has none
+        and ``assign`` is False."""
+        routes = self._route_cache()
+        rank = routes.get(key)
+        if rank is not None:
+            return rank
+        coordinator = self.link(0)
+        fut = coordinator.submit(Route(NO_REPLY, key, routes.local_rank if assign else -1))
+        rank = coordinator.work(fut, f"channel {self._info.name!r}: route of key {key!r}",
+                                default_timeout() + REPLY_GRACE).wait()
+        if rank >= 0:
+            routes.remember(key, rank)
+        return rank
+
+    def requester(self, key: Key, assign: bool = True) -> Requester | None:
+        """The requester that serves ``key`` (``None`` only for an unrouted key with
+        ``assign=False``)."""
+        if self._local is not None:
+            return self._local
+        if not self._info.distributed:
+            return self.link(0)
+        rank = self.home(key, assign)
+        return None if rank < 0 else self.link(rank)
+
+    async def arequester(self, key: Key) -> Requester:
+        """:meth:`requester`, off the event loop when it has to set something up."""
+        if self._local is not None:
+            return self._local
+        info = self._info
+        rank = 0 if not info.distributed else (self._routes.get(key) if self._routes else None)
+        if rank is not None:
+            link = cached_link(info.group_name, rank, info.incarnation)
+            if link is not None:
+                return link
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.requester, key)
+
+    def all(self) -> list[Requester]:
+        """Every requester of the channel (one per worker)."""
+        if self._local is not None:
+            return [self._local]
+        return [self.link(r) for r in range(len(self._info.node_ids))]
+
+    def _route_cache(self) -> RouteCache:
+        if self._routes is None:
+            self._routes = RouteCache(self._info.node_ids, ray.get_runtime_context().get_node_id())
+        return self._routes

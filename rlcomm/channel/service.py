@@ -6,7 +6,7 @@ method of an actor class for tracing, a cost no per-message call should pay.
 
 Threads, all owned here:
 
-- one *selector* thread (:class:`~rlcomm.comm.selector.Selector`) reads the request
+- one *selector* thread (:class:`~rlcomm.comm.endpoint.PeerSelector`) reads the request
   messages of every client process on this node (shared memory) and applies them to the
   :class:`~rlcomm.channel.core.ChannelCore`; it never waits on a queue's state (a get on
   an empty key is parked, not waited for). One thread waiting on all clients at once
@@ -23,6 +23,11 @@ Threads, all owned here:
   process) then holds up only its own reply thread, for up to the ``channel_reply_timeout`` setting:
   the selector, the timer and every other client go on, and once it reads again it
   gets every reply, in order.
+
+Items are never decoded here: a put's item is stored as the payload its producer encoded
+and its tensors (copied out of transport memory, so the worker holds none of a
+producer's shared-memory segments), and a reply forwards them as they are
+(:mod:`~rlcomm.channel.payload`). The worker need not import the items' classes.
 
 What a client's queue may hold is bounded by the client itself: every reply answers
 one request of that client (exactly one per request), so the queue holds at most as
@@ -45,22 +50,26 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
+import msgspec
 import torch
 
 from rlcomm.channel import protocol as P
-from rlcomm.channel.client import LISTEN_OPTIONS, SEND_OPTIONS
 from rlcomm.channel.core import ChannelCore
 from rlcomm.channel.outbox import Outbox
+from rlcomm.channel.payload import StoredItem, TensorCursor
 from rlcomm.channel.replies import ReadWindow, message_bytes
 from rlcomm.channel.routing import HomeTable
 from rlcomm.channel.state import Delivery
-from rlcomm.comm import codec
 from rlcomm.comm.codec import MessageHeader
-from rlcomm.comm.connection import Connection
-from rlcomm.comm.identity.address import WorkerAddress
-from rlcomm.comm.manager import CommManager, parse_address
-from rlcomm.comm.options import op_timeout
-from rlcomm.comm.selector import Selector
+from rlcomm.comm.endpoint import (
+    Endpoint,
+    Peer,
+    PeerSelector,
+    WorkerAddress,
+    encode_message,
+    owned,
+    parse_address,
+)
 from rlcomm.errors import CodecError, CommError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
@@ -108,11 +117,11 @@ class ChannelService:
     def __init__(self, channel_name: str, maxsize: int, coordinator: bool, where: str):
         self._channel_name = channel_name
         self._where = where
-        self._manager = CommManager.current()
-        self.core = ChannelCore(channel_name, maxsize, self._deliver)
+        self._endpoint = Endpoint.current()
+        self.core = ChannelCore(channel_name, maxsize, self._deliver, StoredItem.decode)
         self._lock = threading.Lock()
-        self._selector = Selector(f"rlcomm-channel-{channel_name}")
-        self._listening: dict[WorkerAddress, Connection | None] = {}
+        self._selector = PeerSelector(f"rlcomm-channel-{channel_name}")
+        self._listening: dict[WorkerAddress, Peer | None] = {}
         self._registrations: dict[WorkerAddress, int] = {}
         self._replies: dict[Hashable, _ClientReplies] = {}
         self.homes = HomeTable() if coordinator else None
@@ -153,31 +162,45 @@ class ChannelService:
     def _listen(self, address: WorkerAddress) -> None:
         with self._lock:
             seen = self._registrations.get(address, 0)
-        conn = self._manager.listen(
+        peer = self._endpoint.listen(
             address,
-            lambda env: self._on_message(address, env),
+            lambda data, tensors: self._on_message(address, data, tensors),
             lambda exc: self._lost(address, seen, exc),
-            LISTEN_OPTIONS,
         )
         with self._lock:
             if address in self._listening:
-                self._listening[address] = conn
-        self._selector.add(conn)
+                self._listening[address] = peer
+        self._selector.add(peer)
 
-    def _on_message(self, client: WorkerAddress, env: Any) -> None:
-        """Apply the requests of one message of ``client`` (on the thread that read it)."""
-        message = P.unpack(env)
-        if message is None:
-            logger.error("channel %r: unexpected %s message from %s; dropped",
-                         self._channel_name, type(env).__name__, client)
+    def _on_message(self, client: WorkerAddress, data: bytes, tensors: list[torch.Tensor]) -> None:
+        """Apply the requests of one message of ``client`` (on the thread that read it).
+
+        Items are not decoded: each is stored as its payload and its tensors, copied out
+        of transport memory (:func:`~rlcomm.comm.endpoint.owned`)."""
+        try:
+            frame = P.decode_client_frame(data)
+            cursor = TensorCursor(owned(tensors) if tensors else tensors)
+            requests = frame.requests
+            routes = False
+            for req in requests:
+                tp = type(req)
+                if tp is P.Put:
+                    req.item = cursor.item(req.item)
+                elif tp is P.Requeue:
+                    req.items = [cursor.item(p) for p in req.items]
+                elif tp is P.Route:
+                    routes = True
+            cursor.check_done()
+        except (msgspec.DecodeError, ValueError) as exc:
+            logger.error("channel %r: a malformed request message from %s (%s); dropped",
+                         self._channel_name, client, exc)
             return
-        heads, items, read = message
-        if read >= 0 and (replies := self._replies.get(client)) is not None:
-            replies.window.read(read)
-        if any(h[0] == P.ROUTE for h in heads):
-            heads, items = self._route(client, heads, items)
-        if heads:
-            self.core.handle(client, heads, items)
+        if frame.read >= 0 and (replies := self._replies.get(client)) is not None:
+            replies.window.read(frame.read)
+        if routes:
+            requests = self._route(client, requests)
+        if requests:
+            self.core.handle(client, requests)
 
     def _lost(self, client: WorkerAddress, seen: int, exc: CommError) -> None:
         """The connection with ``client`` (listened at registration ``seen``) failed."""
@@ -211,25 +234,22 @@ class ChannelService:
             logger.warning("channel %r: cannot listen to reconnected client %s: %s",
                            self._channel_name, client, exc)
 
-    def _route(
-        self, client: WorkerAddress, heads: list[tuple], items: list[Any]
-    ) -> tuple[list[tuple], list[Any]]:
-        """Answer the ``ROUTE`` requests of a message; return the other requests."""
+    def _route(self, client: WorkerAddress, requests: list[P.Request]) -> list[P.Request]:
+        """Answer the ``Route`` requests of a message; return the other requests."""
         replies: list[Delivery] = []
-        rest_heads, rest_items = [], []
-        for head, item in zip(heads, items, strict=True):
-            op, rid, key, proposed, _ = head
-            if op != P.ROUTE:
-                rest_heads.append(head)
-                rest_items.append(item)
+        rest = []
+        for req in requests:
+            if type(req) is not P.Route:
+                rest.append(req)
             elif self.homes is None:
-                text = (f"channel {self._channel_name!r}: route of key {key!r} asked of "
+                text = (f"channel {self._channel_name!r}: route of key {req.key!r} asked of "
                         f"{self._where}, which is not the coordinator")
-                replies.append((client, (rid, P.ERROR, None), text, None))
+                replies.append(Delivery(client, req.rid, P.ERROR, text))
             else:
-                replies.append((client, (rid, P.OK, None), self.homes.home(key, proposed), None))
+                rank = self.homes.home(req.key, req.proposed)
+                replies.append(Delivery(client, req.rid, P.OK, rank))
         self._deliver(client, replies)
-        return rest_heads, rest_items
+        return rest
 
     def _client_replies(self, client: Hashable) -> _ClientReplies | None:
         """The reply queue of ``client`` (made at its first reply); ``None`` once it is gone."""
@@ -264,11 +284,11 @@ class ChannelService:
     def _may_inline(self, client: WorkerAddress, r: _ClientReplies, batch: list[Delivery]) -> bool:
         """Whether the posting thread that flushes ``batch`` may send it itself: the write
         cannot wait (see :mod:`~rlcomm.channel.replies`). Encodes it for ``_send``."""
-        conn = self._listening.get(client)
-        if conn is None or conn.error is not None or conn.transport_name != "shm":
+        peer = self._listening.get(client)
+        if peer is None or not peer.usable or not peer.shared_memory:
             return False
         try:
-            header, tensors = codec.encode(P.pack([d[1] for d in batch], [d[2] for d in batch]))
+            header, tensors = _reply_message(batch)
         except CodecError:
             return True  # _send raises it again; the outbox then sends entry by entry
         if tensors and tensors[0].is_cuda:
@@ -284,37 +304,57 @@ class ChannelService:
         if encoded is not None and encoded[0] is batch:  # inline: encoded by _may_inline
             _, header, tensors, nbytes = encoded
         else:
-            header, tensors = codec.encode(
-                P.pack([d[1] for d in batch], [d[2] for d in batch]))
+            header, tensors = _reply_message(batch)
             nbytes = message_bytes(header, tensors)
-        conn = self._listening.get(client)
-        if conn is None or conn.error is not None:  # not listened yet, or reconnecting
-            conn = self._manager.connection(client, SEND_OPTIONS)
-            timeout = op_timeout(SEND_OPTIONS)
+        peer = self._listening.get(client)
+        timeout = None  # rlcomm's op timeout
+        if peer is None or not peer.usable:  # not listened yet, or reconnecting
+            peer = self._endpoint.connect(client)
         elif getattr(_on_reply_thread, "yes", False):
             timeout = get_settings().channel_reply_timeout
-        else:  # inline: the write cannot wait; if it did all the same, no longer than a send
-            timeout = op_timeout(SEND_OPTIONS)
+        # else inline: the write cannot wait; if it did all the same, no longer than a send
         r.window.sent(nbytes)  # before the write: the client's report may come first
-        conn.send_inline(header, tensors, timeout)
+        peer.send_encoded(header, tensors, timeout)
 
     def _undeliverable(self, client: WorkerAddress, batch: list[Delivery], exc: BaseException) -> None:
-        if isinstance(exc, CodecError):  # re-encoding a decoded item failed: answer, drop it
+        if isinstance(exc, CodecError):  # items of CPU and CUDA tensors in one reply
             logger.error("channel %r: a reply to %s cannot be encoded: %s",
                          self._channel_name, client, exc)
-            rid = batch[0][1][0]
-            self._deliver(client, [(client, (rid, P.ERROR, None), f"channel "
-                                    f"{self._channel_name!r}: the reply cannot be encoded: {exc}",
-                                    None)])
+            d = batch[0]
+            if d.key is not None:
+                self.core.requeue(d.key, d.value, d.weights)
+            self._deliver(client, [Delivery(client, d.rid, P.ERROR, f"channel "
+                                            f"{self._channel_name!r}: the reply cannot be "
+                                            f"encoded: {exc}")])
             return
         logger.warning("channel %r: replies to %s could not be sent (%s); their items go "
                        "back to their keys", self._channel_name, client, exc)
         self.core.drop_client(client)  # first: the items must not come back to it
-        for _, _, _, requeue in batch:
-            if requeue is not None:
-                self.core.requeue(*requeue)
-        conn = self._listening.get(client)
-        if isinstance(exc, CommTimeoutError) and conn is not None:
+        for d in batch:
+            if d.key is not None:
+                self.core.requeue(d.key, d.value, d.weights)
+        peer = self._listening.get(client)
+        if isinstance(exc, CommTimeoutError) and peer is not None:
             # Part of the message may be in the client's stream: end the connection (the
             # client sees it lost) rather than write behind half a message.
-            conn.close()
+            peer.close()
+
+
+def _reply_message(batch: list[Delivery]) -> tuple[MessageHeader, list[torch.Tensor]]:
+    """The message of a batch of replies: a :class:`~rlcomm.channel.protocol.WorkerFrame`
+    and the tensors of the items it hands out (forwarded as they were stored)."""
+    replies: list[P.Reply] = []
+    tensors: list[torch.Tensor] = []
+    for d in batch:
+        if d.status != P.OK:
+            replies.append(P.Refused(d.rid, d.status, d.value if d.status == P.ERROR else ""))
+        elif d.key is not None:
+            items: list[StoredItem] = d.value
+            replies.append(P.Got(d.rid, [i.payload for i in items], d.weights))
+            for i in items:
+                tensors.extend(i.tensors)
+        elif d.value is None:
+            replies.append(P.Done(d.rid))
+        else:
+            replies.append(P.Count(d.rid, d.value))
+    return encode_message(P.encode(P.WorkerFrame(replies)), tensors)

@@ -33,14 +33,32 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlcomm.channel import protocol as P
+from rlcomm.channel.protocol import Status
 
-#: A reply due to a client: ``(client, (rid, status, weights), item, requeue)``.
-#: ``requeue`` is ``(key, items, weights)`` for replies that hand out items (so a reply
-#: that cannot be delivered can put them back), else ``None``.
-Delivery = tuple[Hashable, tuple, Any, Any]
+_GET, _GET_NOWAIT, _GET_BATCH, _PUT, _PUT_NOWAIT = range(5)
+_PUT_OPS = (_PUT, _PUT_NOWAIT)
+
+
+class Delivery(NamedTuple):
+    """A reply due to a client.
+
+    Attributes:
+        value: of an ``OK`` get, the list of items it took (one for ``get``); of a
+            qsize, the count; of an ``ERROR``, the text; else ``None``.
+        weights: the weights of the items a get took.
+        key: the key a get took its items from (so a reply that cannot be delivered can
+            put them back); ``None`` for replies that hand out no item.
+    """
+
+    client: Hashable
+    rid: int
+    status: Status
+    value: Any = None
+    weights: list[float] | None = None
+    key: P.Key | None = None
 
 
 class _Waiter:
@@ -138,51 +156,50 @@ class ChannelState:
 
     # -- requests -----------------------------------------------------------------------
 
-    def handle(
-        self,
-        client: Hashable,
-        head: tuple,
-        item: Any,
-        now: float,
-        out: list[Delivery],
-    ) -> None:
-        """Apply one request ``(op, rid, key, arg, timeout)``; append replies to ``out``."""
-        op, rid, key, arg, timeout = head
-        if op == P.PUT or op == P.PUT_NOWAIT:
-            self._put(client, op, rid, key, arg, timeout, item, now, out)
-        elif op == P.GET or op == P.GET_NOWAIT or op == P.GET_BATCH:
-            self._get(client, op, rid, key, arg, timeout, now, out)
-        elif op == P.QSIZE:
-            out.append((client, (rid, P.OK, None), self.qsize(key), None))
-        elif op == P.CLOSE:
+    def handle(self, client: Hashable, req: P.Request, now: float, out: list[Delivery]) -> None:
+        """Apply one request (a :data:`~rlcomm.channel.protocol.Request` whose items are
+        whatever this state's owner stores); append the replies it causes to ``out``."""
+        tp = type(req)
+        if tp is P.Put:
+            op = _PUT_NOWAIT if req.nowait else _PUT
+            self._put(client, op, req.rid, req.key, req.weight, req.timeout, req.item, now, out)
+        elif tp is P.Get:
+            op = _GET_NOWAIT if req.nowait else _GET
+            self._get(client, op, req.rid, req.key, None, req.timeout, now, out)
+        elif tp is P.GetBatch:
+            self._get(client, _GET_BATCH, req.rid, req.key, req.target, req.timeout, now, out)
+        elif tp is P.QSize:
+            out.append(Delivery(client, req.rid, P.OK, self.qsize(req.key)))
+        elif tp is P.Close:
             self.close(out)
-            out.append((client, (rid, P.OK, None), None, None))
-        elif op == P.CANCEL:
-            self.cancel(client, arg, out)
-        elif op == P.REQUEUE:
-            self.requeue(key, item, arg, out)
+            out.append(Delivery(client, req.rid, P.OK))
+        elif tp is P.Cancel:
+            self.cancel(client, req.target, out)
+        elif tp is P.Requeue:
+            self.requeue(req.key, req.items, req.weights, out)
         else:
-            text = f"channel {self.name!r}: unknown request op {op!r}"
+            rid = P.rid_of(req)
             if rid != P.NO_REPLY:
-                out.append((client, (rid, P.ERROR, None), text, None))
+                text = f"channel {self.name!r}: unknown request {tp.__name__}"
+                out.append(Delivery(client, rid, P.ERROR, text))
 
     def _put(
         self, client: Hashable, op: int, rid: int, key: P.Key, weight: float,
         timeout: float | None, item: Any, now: float, out: list[Delivery],
     ) -> None:
         if self.closed:
-            out.append((client, (rid, P.CLOSED, None), None, None))
+            out.append(Delivery(client, rid, P.CLOSED))
             return
         kq = self._key(key)
         if kq.putters or self._full(kq):
-            if op == P.PUT_NOWAIT:
-                out.append((client, (rid, P.FULL, None), None, None))
+            if op == _PUT_NOWAIT:
+                out.append(Delivery(client, rid, P.FULL))
             else:
                 self._park(kq.putters, _Waiter(client, rid, op, key, weight, item,
                                                self._deadline(now, timeout)))
             return
         kq.push(item, weight)
-        out.append((client, (rid, P.OK, None), None, None))
+        out.append(Delivery(client, rid, P.OK))
         self._serve(key, kq, out)
 
     def _get(
@@ -190,13 +207,13 @@ class ChannelState:
         timeout: float | None, now: float, out: list[Delivery],
     ) -> None:
         kq = self._key(key)
-        if op == P.GET_NOWAIT:
+        if op == _GET_NOWAIT:
             if kq.items:
                 self._reply_items(client, rid, op, key, kq, 1, out)
                 self._serve(key, kq, out)
             else:
                 status = P.CLOSED if self.closed else P.EMPTY
-                out.append((client, (rid, status, None), None, None))
+                out.append(Delivery(client, rid, status))
             return
         if not kq.getters:
             n = self._take(kq, op, target)
@@ -216,7 +233,7 @@ class ChannelState:
             while kq.putters:
                 w = kq.putters.popleft()
                 self._finish(w)
-                out.append((w.client, (w.rid, P.CLOSED, None), None, None))
+                out.append(Delivery(w.client, w.rid, P.CLOSED))
             self._serve(key, kq, out)
 
     def cancel(self, client: Hashable, rid: int, out: list[Delivery]) -> None:
@@ -228,9 +245,9 @@ class ChannelState:
         if w is None:
             return
         kq = self._keys[w.key]
-        (kq.putters if w.op in P.PUT_OPS else kq.getters).remove(w)
+        (kq.putters if w.op in _PUT_OPS else kq.getters).remove(w)
         self._finish(w)
-        out.append((client, (rid, P.CANCELLED, None), None, None))
+        out.append(Delivery(client, rid, P.CANCELLED))
         self._serve(w.key, kq, out)
 
     def requeue(self, key: P.Key, items: list[Any], weights: list[float], out: list[Delivery]) -> None:
@@ -251,7 +268,7 @@ class ChannelState:
             if c != client:
                 continue
             kq = self._keys[w.key]
-            (kq.putters if w.op in P.PUT_OPS else kq.getters).remove(w)
+            (kq.putters if w.op in _PUT_OPS else kq.getters).remove(w)
             self._finish(w)
             self._serve(w.key, kq, out)
 
@@ -262,9 +279,9 @@ class ChannelState:
             if w.done:
                 continue
             kq = self._keys[w.key]
-            (kq.putters if w.op in P.PUT_OPS else kq.getters).remove(w)
+            (kq.putters if w.op in _PUT_OPS else kq.getters).remove(w)
             self._finish(w)
-            out.append((w.client, (w.rid, P.TIMEOUT, None), None, None))
+            out.append(Delivery(w.client, w.rid, P.TIMEOUT))
             self._serve(w.key, kq, out)
 
     # -- internals -----------------------------------------------------------------------
@@ -293,7 +310,7 @@ class ChannelState:
 
     def _take(self, kq: _KeyQueue, op: int, target: Any) -> int | None:
         """How many items a get may take now (0: answer CLOSED), or None to wait."""
-        if op != P.GET_BATCH:
+        if op != _GET_BATCH:
             return 1 if kq.items else (0 if self.closed else None)
         if kq.items and kq.weight >= target:
             acc, n = 0, 0
@@ -311,7 +328,7 @@ class ChannelState:
         out: list[Delivery],
     ) -> None:
         if n == 0:
-            out.append((client, (rid, P.CLOSED, None), None, None))
+            out.append(Delivery(client, rid, P.CLOSED))
         else:
             self._reply_items(client, rid, op, key, kq, n, out)
 
@@ -320,10 +337,7 @@ class ChannelState:
         out: list[Delivery],
     ) -> None:
         items, weights = kq.pop(n)
-        if op == P.GET_BATCH:
-            out.append((client, (rid, P.OK, weights), items, (key, items, weights)))
-        else:
-            out.append((client, (rid, P.OK, weights[0]), items[0], (key, items, weights)))
+        out.append(Delivery(client, rid, P.OK, items, weights, key))
 
     def _serve(self, key: P.Key, kq: _KeyQueue, out: list[Delivery]) -> None:
         """Answer parked requests of ``key`` in order for as long as its state allows."""
@@ -343,5 +357,5 @@ class ChannelState:
                 w = kq.putters.popleft()
                 self._finish(w)
                 kq.push(w.item, w.arg)
-                out.append((w.client, (w.rid, P.OK, None), None, None))
+                out.append(Delivery(w.client, w.rid, P.OK))
                 progress = True

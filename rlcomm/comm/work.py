@@ -37,6 +37,11 @@ class AsyncWork:
             overrides :meth:`_result_future`).
         description: names the op and the peer, for timeout messages.
         timeout: default seconds for ``wait`` when none is given.
+        waiter: ``waiter(future, timeout) -> done``: how ``wait`` blocks, for an op whose
+            waiting thread can drive it (read its own reply); default: block on the future.
+        cancellable: an op that abandoning its wait withdraws: a ``wait`` or
+            ``async_wait`` that times out or is interrupted (an asyncio task cancelled,
+            ``KeyboardInterrupt``) cancels the future. Default: the op goes on.
     """
 
     def __init__(
@@ -44,10 +49,15 @@ class AsyncWork:
         future: concurrent.futures.Future | None,
         description: str = "op",
         timeout: float | None = None,
+        *,
+        waiter: Callable[[concurrent.futures.Future, float | None], bool] | None = None,
+        cancellable: bool = False,
     ):
         self._future = future
         self._description = description
         self._timeout = timeout
+        self._waiter = waiter
+        self._cancellable = cancellable
 
     def _result_future(self) -> concurrent.futures.Future:
         """The future of the op's result (an adapter may make it on first use)."""
@@ -90,11 +100,21 @@ class AsyncWork:
         timeout = self._resolve_timeout(timeout)
         future = self._result_future()
         try:
+            if self._waiter is not None and not self._waiter(future, timeout):
+                raise concurrent.futures.TimeoutError
             return future.result(timeout=timeout)
         except (concurrent.futures.TimeoutError, TimeoutError) as exc:
             if _raised_by_op(future, exc):
                 raise
+            self._abandon()
             raise self._timeout_error(timeout) from None
+        except BaseException:
+            self._abandon()  # interrupted; a no-op when the op itself failed
+            raise
+
+    def _abandon(self) -> None:
+        if self._cancellable and self._future is not None:
+            self._future.cancel()
 
     def done(self) -> bool:
         """True once the op finished, successfully or not."""
@@ -105,8 +125,11 @@ class AsyncWork:
         timeout = self._resolve_timeout(timeout)
         future = self._result_future()
         try:
-            # shield: a timed-out await must not cancel an op still queued behind others.
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+            waited = asyncio.wrap_future(future)
+            if not self._cancellable:
+                # shield: a timed-out await must not cancel an op still queued behind others.
+                waited = asyncio.shield(waited)
+            return await asyncio.wait_for(waited, timeout)
         except (asyncio.TimeoutError, TimeoutError) as exc:
             if _raised_by_op(future, exc):
                 raise
@@ -127,6 +150,11 @@ class AsyncWork:
 
         self._result_future().add_done_callback(chain)
         return AsyncWork(out, self._description, self._timeout)
+
+    @property
+    def future(self) -> concurrent.futures.Future:
+        """The future the work completes (cancelling it cancels a ``cancellable`` op)."""
+        return self._result_future()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

@@ -12,8 +12,10 @@ import torch
 
 from rlcomm.channel import protocol as P
 from rlcomm.channel.outbox import Outbox
+from rlcomm.channel.payload import encode_item
 from rlcomm.channel.replies import ReadWindow, message_bytes
-from rlcomm.comm import codec, framing
+from rlcomm.comm import framing
+from rlcomm.comm.endpoint import encode_message
 
 RECORD = 16  # a ring record (kind, segment id, size) before each frame and payload tensor
 
@@ -25,9 +27,9 @@ class Step:
     note: str
 
 
-def _ring_bytes(message) -> int:
+def _ring_bytes(header, tensors) -> int:
     """The bytes a message takes in a shared-memory ring (every payload through the ring)."""
-    frame, payload = framing.pack(*codec.encode(message))
+    frame, payload = framing.pack(header, list(tensors))
     return RECORD + len(frame) + sum(RECORD + t.numel() for t in payload)
 
 
@@ -42,10 +44,10 @@ ITEMS = [
 
 @pytest.mark.parametrize("item", ITEMS, ids=lambda x: type(x).__name__)
 def test_message_bytes_covers_what_a_reply_takes_in_the_ring(item):
-    heads = [(5, P.OK, [1.0] * 3), (6, P.OK, 1.0)]
-    message = P.pack(heads, [item, item])
-    actual = _ring_bytes(message)
-    header, tensors = codec.encode(message)
+    payload, item_tensors = encode_item(item)
+    replies = [P.Got(5, [payload], [1.0]), P.Got(6, [payload], [1.0]), P.Done(7)]
+    header, tensors = encode_message(P.encode(P.WorkerFrame(replies)), item_tensors * 2)
+    actual = _ring_bytes(header, tensors)
     assert actual <= message_bytes(header, tensors) <= 1.05 * actual + 1024 + 32 * len(tensors)
 
 
@@ -122,3 +124,14 @@ def test_an_outbox_hands_what_may_not_go_inline_to_its_own_thread_in_order():
     finally:
         release.set()
         executor.shutdown(wait=False)
+
+
+def test_the_worker_keeps_copies_of_large_received_tensors_only():
+    from rlcomm.comm.endpoint import owned
+    from rlcomm.settings import get_settings
+
+    big = torch.zeros(get_settings().shm_segment_threshold, dtype=torch.uint8)
+    small = torch.zeros(16)
+    kept = owned([big, small])
+    assert kept[0].data_ptr() != big.data_ptr() and torch.equal(kept[0], big)
+    assert kept[1] is small

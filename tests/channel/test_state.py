@@ -11,9 +11,28 @@ import torch
 
 from rlcomm.channel import protocol as P
 from rlcomm.channel.itemtype import check_item, describe_type, validate_type
+from rlcomm.channel.payload import decode_item, encode_item, split_tensors
 from rlcomm.channel.routing import HomeTable, RouteCache
 from rlcomm.channel.state import ChannelState
-from rlcomm.comm import codec
+
+PUT, PUT_NOWAIT, GET, GET_NOWAIT, GET_BATCH, QSIZE, CLOSE, CANCEL, REQUEUE = range(9)
+
+
+def make(op: int, rid: int, key, arg, timeout, item) -> P.Request:
+    """The request struct of a test's ``(op, rid, key, arg, timeout)`` and item."""
+    if op in (PUT, PUT_NOWAIT):
+        return P.Put(rid, key, arg, timeout, item, nowait=op == PUT_NOWAIT)
+    if op in (GET, GET_NOWAIT):
+        return P.Get(rid, key, timeout, nowait=op == GET_NOWAIT)
+    if op == GET_BATCH:
+        return P.GetBatch(rid, key, arg, timeout)
+    if op == QSIZE:
+        return P.QSize(rid, key)
+    if op == CLOSE:
+        return P.Close(rid)
+    if op == CANCEL:
+        return P.Cancel(key, arg)
+    return P.Requeue(key, item, arg)
 
 
 class Harness:
@@ -24,21 +43,27 @@ class Harness:
         self.rid = 0
         self.replies: dict[int, tuple] = {}
         self.now = 0.0
+        self.ops: dict[int, int | None] = {}
 
     def req(self, op: int, key="k", arg=None, timeout=None, item=None, client="c") -> int:
         self.rid += 1
+        self.ops[self.rid] = op
         out: list = []
-        self.state.handle(client, (op, self.rid, key, arg, timeout), item, self.now, out)
+        self.state.handle(client, make(op, self.rid, key, arg, timeout, item), self.now, out)
         self._collect(out)
         return self.rid
 
     def _collect(self, out: list) -> None:
-        for _client, (rid, status, weights), item, _requeue in out:
-            assert rid not in self.replies, f"request {rid} answered twice"
-            self.replies[rid] = (status, item, weights)
+        for d in out:
+            assert d.rid not in self.replies, f"request {d.rid} answered twice"
+            self.ops.setdefault(d.rid, None)
+            value = d.value
+            if d.key is not None and self.ops.get(d.rid) != GET_BATCH:
+                value = value[0]  # a get's one item
+            self.replies[d.rid] = (d.status, value, d.weights)
 
     def put(self, item, weight=1, key="k", nowait=False, timeout=None, client="c") -> int:
-        return self.req(P.PUT_NOWAIT if nowait else P.PUT, key, weight, timeout, item, client)
+        return self.req(PUT_NOWAIT if nowait else PUT, key, weight, timeout, item, client)
 
     def expire(self, now: float) -> None:
         self.now = now
@@ -59,11 +84,11 @@ def test_fifo_and_nowait():
     h = Harness()
     for i in range(3):
         assert h.status(h.put(i)) == P.OK
-    assert [h.item(h.req(P.GET)) for _ in range(2)] == [0, 1]
-    assert h.item(h.req(P.GET_NOWAIT)) == 2
-    assert h.status(h.req(P.GET_NOWAIT)) == P.EMPTY
+    assert [h.item(h.req(GET)) for _ in range(2)] == [0, 1]
+    assert h.item(h.req(GET_NOWAIT)) == 2
+    assert h.status(h.req(GET_NOWAIT)) == P.EMPTY
     assert h.state.qsize("k") == 0
-    assert h.status(h.req(P.QSIZE)) == P.OK
+    assert h.status(h.req(QSIZE)) == P.OK
 
 
 def test_keys_are_independent():
@@ -71,7 +96,7 @@ def test_keys_are_independent():
     assert h.status(h.put("a", key="x")) == P.OK
     assert h.status(h.put("b", key="y")) == P.OK
     assert h.status(h.put("c", key="x", nowait=True)) == P.FULL
-    assert h.item(h.req(P.GET, key="y")) == "b"
+    assert h.item(h.req(GET, key="y")) == "b"
 
 
 def test_backpressure_parks_puts_in_order():
@@ -82,15 +107,15 @@ def test_backpressure_parks_puts_in_order():
     assert all(h.status(r) is None for r in parked)
     # A nowait put does not jump the parked ones.
     assert h.status(h.put(99, nowait=True)) == P.FULL
-    assert h.item(h.req(P.GET)) == 0
+    assert h.item(h.req(GET)) == 0
     assert h.status(parked[0]) == P.OK and h.status(parked[1]) is None
-    assert [h.item(h.req(P.GET)) for _ in range(4)] == [1, 2, 3, 4]
+    assert [h.item(h.req(GET)) for _ in range(4)] == [1, 2, 3, 4]
     assert all(h.status(r) == P.OK for r in parked)
 
 
 def test_get_parks_until_put():
     h = Harness()
-    g = h.req(P.GET)
+    g = h.req(GET)
     assert h.status(g) is None
     h.put("x")
     assert h.item(g) == "x"
@@ -98,7 +123,7 @@ def test_get_parks_until_put():
 
 def test_get_batch_by_weight():
     h = Harness()
-    g = h.req(P.GET_BATCH, arg=5)
+    g = h.req(GET_BATCH, arg=5)
     for i, w in enumerate([2, 2]):
         h.put(i, weight=w)
     assert h.status(g) is None
@@ -108,14 +133,14 @@ def test_get_batch_by_weight():
     # Items beyond the target stay queued.
     for i, w in enumerate([3, 3, 1]):
         h.put(i, weight=w)
-    assert h.item(h.req(P.GET_BATCH, arg=4)) == [0, 1]
+    assert h.item(h.req(GET_BATCH, arg=4)) == [0, 1]
     assert h.state.qsize("k") == 1
 
 
 def test_waiting_gets_are_served_in_arrival_order():
     h = Harness()
-    big = h.req(P.GET_BATCH, arg=3)
-    small = h.req(P.GET)
+    big = h.req(GET_BATCH, arg=3)
+    small = h.req(GET)
     h.put("a")
     assert h.status(big) is None and h.status(small) is None  # small waits behind big
     h.put("b", weight=2)
@@ -127,9 +152,9 @@ def test_waiting_gets_are_served_in_arrival_order():
 
 def test_get_nowait_takes_what_is_there_even_behind_a_batch():
     h = Harness()
-    big = h.req(P.GET_BATCH, arg=10)
+    big = h.req(GET_BATCH, arg=10)
     h.put("a")
-    assert h.item(h.req(P.GET_NOWAIT)) == "a"
+    assert h.item(h.req(GET_NOWAIT)) == "a"
     assert h.status(big) is None
 
 
@@ -138,7 +163,7 @@ def test_full_key_gives_a_partial_batch():
     for i in range(3):
         h.put(i, weight=1)
     parked = h.put(3, weight=1)
-    assert h.item(h.req(P.GET_BATCH, arg=10)) == [0, 1, 2]
+    assert h.item(h.req(GET_BATCH, arg=10)) == [0, 1, 2]
     assert h.status(parked) == P.OK
 
 
@@ -146,32 +171,32 @@ def test_close_semantics():
     h = Harness(maxsize=1)
     h.put("a")
     parked_put = h.put("b")
-    h.req(P.GET)  # takes "a", admits "b"
+    h.req(GET)  # takes "a", admits "b"
     assert h.status(parked_put) == P.OK
     parked_put = h.put("c")
-    h2 = h.req(P.CLOSE)
+    h2 = h.req(CLOSE)
     assert h.status(h2) == P.OK
     assert h.status(parked_put) == P.CLOSED
     assert h.status(h.put("d")) == P.CLOSED
-    assert h.item(h.req(P.GET)) == "b"  # drain
-    assert h.status(h.req(P.GET)) == P.CLOSED
-    assert h.status(h.req(P.GET_NOWAIT)) == P.CLOSED
+    assert h.item(h.req(GET)) == "b"  # drain
+    assert h.status(h.req(GET)) == P.CLOSED
+    assert h.status(h.req(GET_NOWAIT)) == P.CLOSED
 
 
 def test_close_answers_waiting_batches_with_what_is_left():
     h = Harness()
     h.put("a", weight=1)
-    batch = h.req(P.GET_BATCH, arg=5)
-    other = h.req(P.GET, key="other")
-    h.req(P.CLOSE)
+    batch = h.req(GET_BATCH, arg=5)
+    other = h.req(GET, key="other")
+    h.req(CLOSE)
     assert h.item(batch) == ["a"]
     assert h.status(other) == P.CLOSED
-    assert h.status(h.req(P.GET_BATCH, arg=1)) == P.CLOSED
+    assert h.status(h.req(GET_BATCH, arg=1)) == P.CLOSED
 
 
 def test_deadlines():
     h = Harness(maxsize=1)
-    g = h.req(P.GET, key="e", timeout=1.0)
+    g = h.req(GET, key="e", timeout=1.0)
     h.put("x")
     p = h.put("y", timeout=2.0)
     h.expire(0.5)
@@ -186,8 +211,8 @@ def test_deadlines():
 
 def test_timed_out_head_lets_the_next_getter_through():
     h = Harness()
-    big = h.req(P.GET_BATCH, arg=10, timeout=1.0)
-    small = h.req(P.GET)
+    big = h.req(GET_BATCH, arg=10, timeout=1.0)
+    small = h.req(GET)
     h.put("a")
     h.expire(2.0)
     assert h.status(big) == P.TIMEOUT
@@ -196,15 +221,15 @@ def test_timed_out_head_lets_the_next_getter_through():
 
 def test_cancel_requeue_and_drop_client():
     h = Harness()
-    g = h.req(P.GET, client="a")
-    h.req(P.CANCEL, arg=g, client="a")
+    g = h.req(GET, client="a")
+    h.req(CANCEL, arg=g, client="a")
     assert h.status(g) == P.CANCELLED
     h.put("x")
     h.put("y")
-    taken = h.item(h.req(P.GET))
-    h.req(P.REQUEUE, arg=[1], item=[taken])
-    assert h.item(h.req(P.GET)) == "x"
-    gone = h.req(P.GET, key="z", client="dead")
+    taken = h.item(h.req(GET))
+    h.req(REQUEUE, arg=[1], item=[taken])
+    assert h.item(h.req(GET)) == "x"
+    gone = h.req(GET, key="z", client="dead")
     out: list = []
     h.state.drop_client("dead", out)
     assert out == []
@@ -274,17 +299,27 @@ def test_describe_and_validate_type():
             validate_type(bad)
 
 
-def test_messages_carry_tensors_raw_and_plain_items_cheaply():
-    heads = [(P.PUT, 0, "k", 1, None), (P.PUT, 1, "k", 1, None)]
+def test_frames_are_tagged_structs_and_items_opaque_payloads():
     rollout = Rollout(torch.arange(4.0), 1.0)
-    message = P.pack(heads, [rollout, {"a": [torch.ones(2)], "b": 3}], read=7)
-    header, tensors = codec.encode(message)
-    assert header.kind == codec.Kind.DATACLASS and len(tensors) == 2  # extracted, not pickled
-    heads_back, items, read = P.unpack(codec.decode(header, tensors))
-    assert heads_back == heads and read == 7 and torch.equal(items[0].obs, rollout.obs)
-    assert items[1]["b"] == 3 and torch.equal(items[1]["a"][0], torch.ones(2))
-    plain = P.pack(heads, [b"x" * 10, [b"y", 2, None]])
-    assert type(plain) is tuple
-    assert P.unpack(codec.decode(*codec.encode(plain))) == (
-        heads, [b"x" * 10, [b"y", 2, None]], -1)
-    assert P.unpack("something else") is None
+    big = torch.arange(1 << 16, dtype=torch.float32)
+    items = [rollout, {"a": [torch.ones(2)], "b": 3}, big, b"x" * 10]
+    encoded = [encode_item(item) for item in items]
+    assert [len(t) for _, t in encoded] == [0, 0, 1, 0]  # only the large one travels apart
+    reqs = [P.Put(i, "k", 1.0, None, p) for i, (p, _) in enumerate(encoded)]
+    reqs += [P.Get(9, 3, 2.5, nowait=True), P.Cancel("k", 4), P.Route(10, "k", -1)]
+    data = P.encode(P.ClientFrame(reqs, read=7))
+    frame = P.decode_client_frame(data)
+    assert frame.read == 7 and [type(r) for r in frame.requests] == [type(r) for r in reqs]
+    assert [P.op_name(r) for r in frame.requests][-3:] == ["get_nowait", "cancel", "route"]
+    tensors = [t for _, ts in encoded for t in ts]
+    per_item = split_tensors(P.frame_payloads(frame), tensors)
+    back = [decode_item(r.item, ts) for r, ts in zip(frame.requests[:4], per_item, strict=True)]
+    assert torch.equal(back[0].obs, rollout.obs) and back[0].reward == 1.0
+    assert back[1]["b"] == 3 and torch.equal(back[1]["a"][0], torch.ones(2))
+    assert torch.equal(back[2], big) and back[3] == b"x" * 10
+    replies = [P.Got(0, [encoded[3][0]], [1.0]), P.Done(1), P.Count(2, 5),
+               P.Refused(3, P.ERROR, "boom")]
+    again = P.decode_worker_frame(P.encode(P.WorkerFrame(replies))).replies
+    assert again == replies and again[3].status is P.Status.ERROR
+    with pytest.raises(msgspec.ValidationError):
+        P.decode_client_frame(P.encode(P.WorkerFrame(replies)))
