@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
+from rlcomm.comm.manager import CommManager
 from rlcomm.settings import group_name_from_env
 from rlcomm.worker.dispatch import DispatchInfoMixin
 
 if TYPE_CHECKING:
     from rlcomm.channel import Channel
-    from rlcomm.comm.manager import CommManager
     from rlcomm.comm.options import CollectiveGroupOptions
     from rlcomm.comm.work import AsyncWork
     from rlcomm.worker.group import WorkerGroup
@@ -121,8 +121,6 @@ class Worker(DispatchInfoMixin):
 
     @property
     def _comm(self) -> CommManager:
-        from rlcomm.comm.manager import CommManager
-
         return CommManager.current()
 
     def send(

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 RankLike = int | Sequence[int]
 
+#: Addresses made by :meth:`WorkerAddress.of` from an int rank, by ``(group, rank)``: a
+#: send or receive names its peer this way on every call. Immutable, so shared.
+_OF_CACHE: dict[tuple[str, int], WorkerAddress] = {}
+_OF_CACHE_SIZE = 4096
+
 
 def normalize_rank(rank: RankLike) -> tuple[int, ...]:
     """An int rank or a rank path (list/tuple of ints) as a tuple of ints.
@@ -72,6 +77,18 @@ class WorkerAddress:
         Raises:
             ValueError: an empty name or path, or a bad rank.
         """
+        if type(rank) is int and type(group_name) is str:  # the per-message case: cached
+            key = (group_name, rank)
+            address = _OF_CACHE.get(key)
+            if address is None:
+                if len(_OF_CACHE) >= _OF_CACHE_SIZE:
+                    _OF_CACHE.clear()
+                address = _OF_CACHE[key] = cls._checked(group_name, rank)
+            return address
+        return cls._checked(group_name, rank)
+
+    @classmethod
+    def _checked(cls, group_name: str, rank: RankLike) -> WorkerAddress:
         if not isinstance(group_name, str) or not group_name:
             raise ValueError(f"a group name must be a non-empty str, got {group_name!r}")
         return cls(group_name, normalize_rank(rank))
