@@ -146,6 +146,27 @@ def test_an_unsealed_fd_is_refused(ends):
         b.recv_new([N], 10)
 
 
+def test_fds_passed_ahead_of_any_message_are_bounded(ends, monkeypatch):
+    """A peer that floods the signal socket with handed-over fds no message uses fails
+    the connection instead of filling this process's fd table."""
+    monkeypatch.setattr(shm, "_MAX_HANDED_AHEAD", 3)
+    a, b = ends
+    before = _open_fds()
+    fd = sealed_memfd("flood", 4096)
+    try:
+        for _ in range(4):
+            socket.send_fds(a._signals.out, [b"h" + struct.pack("<QQ", 0, 4096)], [fd])
+    finally:
+        os.close(fd)
+    a._writer.write(shm_ring.RECORD.pack(shm_ring.FRAME, 0, 1) + b"f", time.monotonic() + 5)
+    a._writer.wake_reader()
+    with pytest.raises(ProtocolMismatchError, match="no message uses"):
+        for _ in range(5):  # reading the socket happens while waiting for data
+            b.read_signal()
+    b.close()
+    assert _open_fds() <= before
+
+
 def test_a_range_past_the_end_of_the_block_is_refused(ends):
     a, b = ends
     fd = sealed_memfd("short", 4096)

@@ -61,7 +61,7 @@ from rlcomm.comm.transports.shm_memory import (
 from rlcomm.comm.transports.shm_ring import FRAME, HANDED_RECORD, RECORD, SEGMENT, RingWriter
 from rlcomm.comm.transports.shm_signals import HANDED, SignalSockets
 from rlcomm.comm.transports.shm_wait import ShmWaiter, Spin, wait_for_data
-from rlcomm.errors import CommTimeoutError, PeerLostError
+from rlcomm.errors import CommTimeoutError, PeerLostError, ProtocolMismatchError
 from rlcomm.settings import get_settings
 
 #: The ring's lock-free counters rely on x86-64 keeping stores in order.
@@ -72,6 +72,9 @@ _MAX_IN_FLIGHT = get_settings().shm_max_in_flight
 #: of segments and fall back to streaming large payloads through the ring.
 _PIN_LIMIT = _MAX_IN_FLIGHT // 2
 
+#: Most handed-over fds a peer may pass ahead of the messages that use them (each is an
+#: open file descriptor here until its message is read).
+_MAX_HANDED_AHEAD = 4096
 
 class ShmTransport(Transport):
     """Same-node connection over shared memory (see module docstring).
@@ -127,6 +130,12 @@ class ShmTransport(Transport):
         if new_segment is not None:
             seg_id, size, fd = new_segment
             if seg_id == HANDED:  # mapped when its record is read
+                if len(self._handed) >= _MAX_HANDED_AHEAD:
+                    os.close(fd)
+                    raise ProtocolMismatchError(
+                        f"{what} with {self._peer}: the peer passed over {_MAX_HANDED_AHEAD} "
+                        "handed-over blocks that no message uses; the connection is closed"
+                    )
                 self._handed.append((fd, *size))  # type: ignore[misc]
                 return got
             self._peer_segments[seg_id] = Segment(seg_id, size, map_fd(fd, size))  # type: ignore[arg-type]
