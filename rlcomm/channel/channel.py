@@ -392,7 +392,20 @@ class Channel(AsyncChannelOps):
         ``timeout`` is the request's own; the work waits :data:`REPLY_GRACE` longer for
         the worker's answer, then withdraws the request.
         """
-        fut = requester.submit(req, tensors, inline=not async_op)
-        what = f"channel {self.name!r}: {P.op_name(req)} on key {getattr(req, 'key', '')!r}"
-        work = requester.work(fut, what, timeout + REPLY_GRACE)
+        what = _Description(self.name, req)
+        work = requester.request(req, what, timeout + REPLY_GRACE, tensors, not async_op)
         return work if async_op else work.wait()
+
+
+class _Description:
+    """Names a request in messages, formatted only when one is written."""
+
+    __slots__ = ("channel", "req")
+
+    def __init__(self, channel: str, req: P.Request):
+        self.channel = channel
+        self.req = req
+
+    def __str__(self) -> str:
+        key = getattr(self.req, "key", "")
+        return f"channel {self.channel!r}: {P.op_name(self.req)} on key {key!r}"

@@ -20,29 +20,34 @@ class AsyncWork:
 
     Args:
         future: completes with the op's result.
-        description: names the op and the peer, for timeout messages.
+        description: names the op and the peer, for timeout messages (any object whose
+            ``str`` does; it is formatted only when a message is written).
         timeout: default seconds for ``wait`` when none is given.
         waiter: ``waiter(future, timeout) -> done``: how ``wait`` blocks, for an op whose
             waiting thread can drive it (read its own reply); default: block on the future.
         cancellable: an op that abandoning its wait withdraws: a ``wait`` or
             ``async_wait`` that times out or is interrupted (an asyncio task cancelled,
             ``KeyboardInterrupt``) cancels the future. Default: the op goes on.
+        on_cancel: called (once per abandoned wait) after a ``cancellable`` op's future
+            was cancelled, to withdraw the op where it runs.
     """
 
     def __init__(
         self,
         future: concurrent.futures.Future,
-        description: str = "op",
+        description: object = "op",
         timeout: float | None = None,
         *,
         waiter: Callable[[concurrent.futures.Future, float | None], bool] | None = None,
         cancellable: bool = False,
+        on_cancel: Callable[[], None] | None = None,
     ):
         self._future = future
         self._description = description
         self._timeout = timeout
         self._waiter = waiter
         self._cancellable = cancellable
+        self._on_cancel = on_cancel
 
     @classmethod
     def completed(cls, value: Any = None, description: str = "op") -> AsyncWork:
@@ -90,8 +95,8 @@ class AsyncWork:
             raise
 
     def _abandon(self) -> None:
-        if self._cancellable:
-            self._future.cancel()
+        if self._cancellable and self._future.cancel() and self._on_cancel is not None:
+            self._on_cancel()
 
     def done(self) -> bool:
         """True once the op finished, successfully or not."""
@@ -108,7 +113,11 @@ class AsyncWork:
             return await asyncio.wait_for(waited, timeout)
         except CommTimeoutError:
             raise
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
         except asyncio.TimeoutError:
+            self._abandon()
             raise CommTimeoutError(
                 f"{self._description} did not complete within {timeout}s"
             ) from None
