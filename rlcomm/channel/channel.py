@@ -19,7 +19,7 @@ from rlcomm.channel.aio import AsyncChannelOps
 from rlcomm.channel.itemtype import check_put, validate_type
 from rlcomm.channel.lifecycle import ChannelInfo
 from rlcomm.channel.local import LocalLink
-from rlcomm.channel.requester import Requester
+from rlcomm.channel.requester import Description, Requester
 from rlcomm.channel.routing import REPLY_GRACE, KeyRouter
 from rlcomm.cluster import Cluster
 from rlcomm.comm.options import default_timeout
@@ -392,20 +392,7 @@ class Channel(AsyncChannelOps):
         ``timeout`` is the request's own; the work waits :data:`REPLY_GRACE` longer for
         the worker's answer, then withdraws the request.
         """
-        what = _Description(self.name, req)
+        what = Description(self.name, req)
         work = requester.request(req, what, timeout + REPLY_GRACE, tensors, not async_op)
         return work if async_op else work.wait()
 
-
-class _Description:
-    """Names a request in messages, formatted only when one is written."""
-
-    __slots__ = ("channel", "req")
-
-    def __init__(self, channel: str, req: P.Request):
-        self.channel = channel
-        self.req = req
-
-    def __str__(self) -> str:
-        key = getattr(self.req, "key", "")
-        return f"channel {self.channel!r}: {P.op_name(self.req)} on key {key!r}"

@@ -48,6 +48,20 @@ _RESULTS = {P.Put: _NONE, P.Close: _NONE, P.Get: _ONE, P.GetBatch: _MANY, P.QSiz
             P.Route: _VALUE}
 
 
+class Description:
+    """Names a request of a channel in messages (formatted only when one is written)."""
+
+    __slots__ = ("channel", "req")
+
+    def __init__(self, channel: str, req: P.Request):
+        self.channel = channel
+        self.req = req
+
+    def __str__(self) -> str:
+        key = getattr(self.req, "key", "")
+        return f"channel {self.channel!r}: {P.op_name(self.req)} on key {key!r}"
+
+
 class _Pending:
     __slots__ = ("future", "req", "key", "timeout", "result")
 
