@@ -141,7 +141,10 @@ class Requester:
                 raise self._lost_error(pending.op, pending.key)
             self._pending[rid] = pending
         self._post([(req, tensors or [])], inline)
-        return AsyncWork(fut, description, timeout, waiter=self.wait_reply, cancellable=True,
+        # A blocking caller reads its own reply (wait_reply); an async op's reply is read
+        # by the connection's reader, and its waiter just blocks on the future.
+        return AsyncWork(fut, description, timeout,
+                         waiter=self.wait_reply if inline else None, cancellable=True,
                          on_cancel=lambda: self._withdraw(rid, pending.key))
 
     def post_oneway(self, req: P.Request, tensors: list[torch.Tensor] | None = None) -> None:

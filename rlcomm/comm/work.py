@@ -80,7 +80,8 @@ class AsyncWork:
         """
         timeout = self._resolve_timeout(timeout)
         try:
-            if self._waiter is not None and not self._waiter(self._future, timeout):
+            if (self._waiter is not None and not self._future.done()
+                    and not self._waiter(self._future, timeout)):
                 raise concurrent.futures.TimeoutError
             return self._future.result(timeout=timeout)
         except CommTimeoutError:  # raised by the op itself (a TimeoutError too, since 3.11)
