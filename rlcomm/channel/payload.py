@@ -21,19 +21,32 @@ import torch
 from rlcomm.channel.protocol import Payload
 from rlcomm.comm import codec
 from rlcomm.comm.codec import Kind
+from rlcomm.comm.endpoint import owned
 
 #: An item whose CPU payload is at most this many bytes rides in the frame.
 INLINE_ITEM_BYTES = 8 << 10
 
 
 class StoredItem:
-    """An item as the channel worker holds it: its payload and its tensors (not decoded)."""
+    """An item as the channel worker holds it: its payload and its tensors (not decoded).
 
-    __slots__ = ("payload", "tensors")
+    ``taken`` is set once a reply hands the item out. The worker calls :meth:`own` on
+    an item that was not handed out at once, so that an item it keeps queued holds no
+    view of transport memory; an item forwarded to a waiting consumer straight away is
+    never copied.
+    """
+
+    __slots__ = ("payload", "tensors", "taken")
 
     def __init__(self, payload: Payload, tensors: list[torch.Tensor]):
         self.payload = payload
         self.tensors = tensors
+        self.taken = False
+
+    def own(self) -> None:
+        """Copy the tensors that may be views of transport memory (unless handed out)."""
+        if self.tensors and not self.taken:
+            self.tensors = owned(self.tensors)
 
     @property
     def nbytes(self) -> int:

@@ -2,10 +2,10 @@
 
 A request gets an id and a future; its reply resolves the future, with the request's
 result or the error its status means. The handle callers get is an
-:class:`~rlcomm.comm.work.AsyncWork` over that future (:meth:`Requester.work`): its
+:class:`~rlcomm.comm.work.AsyncWork` over that future (:meth:`Requester.request`): its
 ``wait`` lets the waiting thread read its own reply (:meth:`Requester.wait_reply`), and
 abandoning a wait (a timeout, an asyncio task cancelled, ``KeyboardInterrupt``) cancels
-the future, which withdraws the request at the worker (``Cancel``). If its items were on
+the future and withdraws the request at the worker (``Cancel``). If its items were on
 their way already, they are put back at the head of their key (``Requeue``), so none is
 lost.
 
@@ -48,15 +48,33 @@ _RESULTS = {P.Put: _NONE, P.Close: _NONE, P.Get: _ONE, P.GetBatch: _MANY, P.QSiz
             P.Route: _VALUE}
 
 
+class Description:
+    """Names a request of a channel in messages (formatted only when one is written)."""
+
+    __slots__ = ("channel", "req")
+
+    def __init__(self, channel: str, req: P.Request):
+        self.channel = channel
+        self.req = req
+
+    def __str__(self) -> str:
+        key = getattr(self.req, "key", "")
+        return f"channel {self.channel!r}: {P.op_name(self.req)} on key {key!r}"
+
+
 class _Pending:
-    __slots__ = ("future", "op", "key", "timeout", "result")
+    __slots__ = ("future", "req", "key", "timeout", "result")
 
     def __init__(self, future: concurrent.futures.Future, req: P.Request):
         self.future = future
-        self.op = P.op_name(req)
+        self.req = req
         self.key = getattr(req, "key", "")
         self.timeout = getattr(req, "timeout", None)
         self.result = _RESULTS[type(req)]
+
+    @property
+    def op(self) -> str:
+        return P.op_name(self.req)
 
 
 class Requester:
@@ -101,13 +119,17 @@ class Requester:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def submit(
-        self, req: P.Request, tensors: list[torch.Tensor] | None = None, inline: bool = True
-    ) -> concurrent.futures.Future:
-        """Send ``req`` (its ``rid`` is set here); the future completes with its result or
-        error, and cancelling it withdraws the request.
+    def request(
+        self, req: P.Request, description: object, timeout: float,
+        tensors: list[torch.Tensor] | None = None, inline: bool = True,
+    ) -> AsyncWork:
+        """Send ``req`` (its ``rid`` is set here) and return its handle: the work completes
+        with the request's result or error; abandoning a wait withdraws the request (see
+        the module docstring).
 
         Args:
+            description: names the request in timeout messages.
+            timeout: seconds ``wait`` waits by default.
             tensors: the tensors of the request's item.
             inline: send from this thread (``False``: from the flush pool).
         """
@@ -118,13 +140,12 @@ class Requester:
             if self._lost is not None:
                 raise self._lost_error(pending.op, pending.key)
             self._pending[rid] = pending
-        fut.add_done_callback(lambda f: f.cancelled() and self._withdraw(rid, pending.key))
         self._post([(req, tensors or [])], inline)
-        return fut
-
-    def work(self, fut: concurrent.futures.Future, description: str, timeout: float) -> AsyncWork:
-        """The handle of a submitted request (see the module docstring)."""
-        return AsyncWork(fut, description, timeout, waiter=self.wait_reply, cancellable=True)
+        # A blocking caller reads its own reply (wait_reply); an async op's reply is read
+        # by the connection's reader, and its waiter just blocks on the future.
+        return AsyncWork(fut, description, timeout,
+                         waiter=self.wait_reply if inline else None, cancellable=True,
+                         on_cancel=lambda: self._withdraw(rid, pending.key))
 
     def post_oneway(self, req: P.Request, tensors: list[torch.Tensor] | None = None) -> None:
         """Send a request that gets no reply (``Cancel``, ``Requeue``), never inline."""

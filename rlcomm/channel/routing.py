@@ -108,9 +108,9 @@ class KeyRouter:
         if rank is not None:
             return rank
         coordinator = self.link(0)
-        fut = coordinator.submit(Route(NO_REPLY, key, routes.local_rank if assign else -1))
-        rank = coordinator.work(fut, f"channel {self._info.name!r}: route of key {key!r}",
-                                default_timeout() + REPLY_GRACE).wait()
+        req = Route(NO_REPLY, key, routes.local_rank if assign else -1)
+        rank = coordinator.request(req, f"channel {self._info.name!r}: route of key {key!r}",
+                                   default_timeout() + REPLY_GRACE).wait()
         if rank >= 0:
             routes.remember(key, rank)
         return rank

@@ -25,9 +25,11 @@ Threads, all owned here:
   gets every reply, in order.
 
 Items are never decoded here: a put's item is stored as the payload its producer encoded
-and its tensors (copied out of transport memory, so the worker holds none of a
-producer's shared-memory segments), and a reply forwards them as they are
-(:mod:`~rlcomm.channel.payload`). The worker need not import the items' classes.
+and its tensors, and a reply forwards them as they are (:mod:`~rlcomm.channel.payload`);
+the worker need not import the items' classes. An item handed to a waiting consumer at
+once is forwarded from the memory it arrived in; one that stays queued is first copied out
+of transport memory (into pooled buffers), so the worker holds none of a producer's
+shared-memory segments while items wait.
 
 What a client's queue may hold is bounded by the client itself: every reply answers
 one request of that client (exactly one per request), so the queue holds at most as
@@ -67,7 +69,6 @@ from rlcomm.comm.endpoint import (
     PeerSelector,
     WorkerAddress,
     encode_message,
-    owned,
     parse_address,
 )
 from rlcomm.errors import CodecError, CommError, CommTimeoutError, PeerLostError
@@ -179,7 +180,7 @@ class ChannelService:
         of transport memory (:func:`~rlcomm.comm.endpoint.owned`)."""
         try:
             frame = P.decode_client_frame(data)
-            cursor = TensorCursor(owned(tensors) if tensors else tensors)
+            cursor = TensorCursor(tensors)
             requests = frame.requests
             routes = False
             for req in requests:
@@ -201,6 +202,14 @@ class ChannelService:
             requests = self._route(client, requests)
         if requests:
             self.core.handle(client, requests)
+        if tensors:  # what was not handed out at once stays: copy it out of transport memory
+            for req in requests:
+                tp = type(req)
+                if tp is P.Put:
+                    req.item.own()
+                elif tp is P.Requeue:
+                    for item in req.items:
+                        item.own()
 
     def _lost(self, client: WorkerAddress, seen: int, exc: CommError) -> None:
         """The connection with ``client`` (listened at registration ``seen``) failed."""
@@ -352,6 +361,7 @@ def _reply_message(batch: list[Delivery]) -> tuple[MessageHeader, list[torch.Ten
             items: list[StoredItem] = d.value
             replies.append(P.Got(d.rid, [i.payload for i in items], d.weights))
             for i in items:
+                i.taken = True
                 tensors.extend(i.tensors)
         elif d.value is None:
             replies.append(P.Done(d.rid))

@@ -35,29 +35,34 @@ class AsyncWork:
     Args:
         future: completes with the op's result (``None`` only in an adapter that
             overrides :meth:`_result_future`).
-        description: names the op and the peer, for timeout messages.
+        description: names the op and the peer, for timeout messages (any object whose
+            ``str`` does; it is formatted only when a message is written).
         timeout: default seconds for ``wait`` when none is given.
         waiter: ``waiter(future, timeout) -> done``: how ``wait`` blocks, for an op whose
             waiting thread can drive it (read its own reply); default: block on the future.
         cancellable: an op that abandoning its wait withdraws: a ``wait`` or
             ``async_wait`` that times out or is interrupted (an asyncio task cancelled,
             ``KeyboardInterrupt``) cancels the future. Default: the op goes on.
+        on_cancel: called (once per abandoned wait) after a ``cancellable`` op's future
+            was cancelled, to withdraw the op where it runs.
     """
 
     def __init__(
         self,
         future: concurrent.futures.Future | None,
-        description: str = "op",
+        description: object = "op",
         timeout: float | None = None,
         *,
         waiter: Callable[[concurrent.futures.Future, float | None], bool] | None = None,
         cancellable: bool = False,
+        on_cancel: Callable[[], None] | None = None,
     ):
         self._future = future
         self._description = description
         self._timeout = timeout
         self._waiter = waiter
         self._cancellable = cancellable
+        self._on_cancel = on_cancel
 
     def _result_future(self) -> concurrent.futures.Future:
         """The future of the op's result (an adapter may make it on first use)."""
@@ -100,7 +105,8 @@ class AsyncWork:
         timeout = self._resolve_timeout(timeout)
         future = self._result_future()
         try:
-            if self._waiter is not None and not self._waiter(future, timeout):
+            if (self._waiter is not None and not future.done()
+                    and not self._waiter(future, timeout)):
                 raise concurrent.futures.TimeoutError
             return future.result(timeout=timeout)
         except (concurrent.futures.TimeoutError, TimeoutError) as exc:
@@ -113,8 +119,9 @@ class AsyncWork:
             raise
 
     def _abandon(self) -> None:
-        if self._cancellable and self._future is not None:
-            self._future.cancel()
+        if (self._cancellable and self._future is not None and self._future.cancel()
+                and self._on_cancel is not None):
+            self._on_cancel()
 
     def done(self) -> bool:
         """True once the op finished, successfully or not."""
@@ -130,9 +137,13 @@ class AsyncWork:
                 # shield: a timed-out await must not cancel an op still queued behind others.
                 waited = asyncio.shield(waited)
             return await asyncio.wait_for(waited, timeout)
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
         except (asyncio.TimeoutError, TimeoutError) as exc:
             if _raised_by_op(future, exc):
                 raise
+            self._abandon()
             raise self._timeout_error(timeout) from None
 
     def __await__(self):

@@ -135,3 +135,17 @@ def test_the_worker_keeps_copies_of_large_received_tensors_only():
     kept = owned([big, small])
     assert kept[0].data_ptr() != big.data_ptr() and torch.equal(kept[0], big)
     assert kept[1] is small
+
+
+def test_a_stored_item_is_copied_only_if_it_was_not_handed_out():
+    from rlcomm.channel.payload import StoredItem
+    from rlcomm.settings import get_settings
+
+    big = torch.ones(get_settings().shm_segment_threshold, dtype=torch.uint8)
+    payload, tensors = encode_item(big)
+    forwarded, queued = StoredItem(payload, list(tensors)), StoredItem(payload, list(tensors))
+    forwarded.taken = True  # a reply handed it out at once
+    forwarded.own()
+    queued.own()
+    assert forwarded.tensors[0] is tensors[0]
+    assert queued.tensors[0].data_ptr() != big.data_ptr() and torch.equal(queued.decode(), big)
