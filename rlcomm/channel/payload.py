@@ -21,7 +21,6 @@ import torch
 from rlcomm.channel.protocol import Payload
 from rlcomm.comm import codec
 from rlcomm.comm.codec import Kind
-from rlcomm.comm.endpoint import owned
 
 #: An item whose CPU payload is at most this many bytes rides in the frame.
 INLINE_ITEM_BYTES = 8 << 10
@@ -30,10 +29,9 @@ INLINE_ITEM_BYTES = 8 << 10
 class StoredItem:
     """An item as the channel worker holds it: its payload and its tensors (not decoded).
 
-    ``taken`` is set once a reply hands the item out. The worker calls :meth:`own` on
-    an item that was not handed out at once, so that an item it keeps queued holds no
-    view of transport memory; an item forwarded to a waiting consumer straight away is
-    never copied.
+    ``taken`` is set once a reply hands the item out. Its tensors stay as they arrived
+    (a large one is a view of the producer's shared memory; the transport bounds how many
+    of a producer's segments this side may hold).
     """
 
     __slots__ = ("payload", "tensors", "taken")
@@ -42,11 +40,6 @@ class StoredItem:
         self.payload = payload
         self.tensors = tensors
         self.taken = False
-
-    def own(self) -> None:
-        """Copy the tensors that may be views of transport memory (unless handed out)."""
-        if self.tensors and not self.taken:
-            self.tensors = owned(self.tensors)
 
     @property
     def nbytes(self) -> int:

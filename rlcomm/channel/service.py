@@ -26,10 +26,11 @@ Threads, all owned here:
 
 Items are never decoded here: a put's item is stored as the payload its producer encoded
 and its tensors, and a reply forwards them as they are (:mod:`~rlcomm.channel.payload`);
-the worker need not import the items' classes. An item handed to a waiting consumer at
-once is forwarded from the memory it arrived in; one that stays queued is first copied out
-of transport memory (into pooled buffers), so the worker holds none of a producer's
-shared-memory segments while items wait.
+the worker need not import the items' classes. An item is kept and forwarded from the
+memory it arrived in: a large one is a zero-copy view of its producer's shared-memory
+segment. The shared-memory transport bounds what that pins: once this side holds half
+the segments a producer may have in flight, later large payloads arrive copied into
+pooled buffers instead, so a producer never runs out of segments.
 
 What a client's queue may hold is bounded by the client itself: every reply answers
 one request of that client (exactly one per request), so the queue holds at most as
@@ -176,8 +177,8 @@ class ChannelService:
     def _on_message(self, client: WorkerAddress, data: bytes, tensors: list[torch.Tensor]) -> None:
         """Apply the requests of one message of ``client`` (on the thread that read it).
 
-        Items are not decoded: each is stored as its payload and its tensors, copied out
-        of transport memory (:func:`~rlcomm.comm.endpoint.owned`)."""
+        Items are not decoded: each is stored as its payload and its tensors, as they
+        arrived (large ones are views of the producer's shared memory)."""
         try:
             frame = P.decode_client_frame(data)
             cursor = TensorCursor(tensors)
@@ -202,14 +203,9 @@ class ChannelService:
             requests = self._route(client, requests)
         if requests:
             self.core.handle(client, requests)
-        if tensors:  # what was not handed out at once stays: copy it out of transport memory
-            for req in requests:
-                tp = type(req)
-                if tp is P.Put:
-                    req.item.own()
-                elif tp is P.Requeue:
-                    for item in req.items:
-                        item.own()
+        # Items stay as they arrived: a large one is a view of the producer's shared-memory
+        # segment, and the transport itself copies later payloads out once this side holds
+        # many of that producer's segments, so a producer never runs out of them.
 
     def _lost(self, client: WorkerAddress, seen: int, exc: CommError) -> None:
         """The connection with ``client`` (listened at registration ``seen``) failed."""

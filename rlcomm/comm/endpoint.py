@@ -12,9 +12,7 @@ changes, only this file is adapted.
 - :meth:`Peer.send` sends from the calling thread; :meth:`Peer.pump` reads the peer's
   messages on the calling thread until a future is done, so a blocking request's reply
   is read by the thread that waits for it;
-- :class:`PeerSelector` reads many listened peers on one thread;
-- :func:`owned` turns received tensors that may be views of transport memory into
-  copies, for a receiver that keeps them (a queue): it must not hold the sender's memory.
+- :class:`PeerSelector` reads many listened peers on one thread.
 
 Today a message travels as a codec ``TENSOR_LIST`` of its tensors with the frame as the
 header's piggyback (see :mod:`rlcomm.comm.codec`).
@@ -36,10 +34,8 @@ from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout
 from rlcomm.comm.selector import Selector
-from rlcomm.comm.transports import pool
 from rlcomm.comm.transports.shm_memory import RING_BYTES
 from rlcomm.errors import CommError
-from rlcomm.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +49,7 @@ _SEND_OPTIONS = CollectiveGroupOptions()
 SHARED_MEMORY_RING_BYTES = RING_BYTES
 
 __all__ = ["SHARED_MEMORY_RING_BYTES", "Endpoint", "OnMessage", "Peer", "PeerSelector",
-           "WorkerAddress", "encode_message", "owned", "parse_address"]
+           "WorkerAddress", "encode_message", "parse_address"]
 
 
 def encode_message(frame: bytes, tensors: list[torch.Tensor]) -> tuple[MessageHeader, list[torch.Tensor]]:
@@ -63,23 +59,6 @@ def encode_message(frame: bytes, tensors: list[torch.Tensor]) -> tuple[MessageHe
         CodecError: the tensors mix CPU and CUDA, or one cannot be sent.
     """
     return codec.encode(tensors, piggyback=frame)
-
-
-def owned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors``, with copies of those that may be views of transport memory (a large
-    shared-memory payload is a view of the sender's segment, which goes back to the
-    sender only once the view is freed). The copies live in the process's pool of
-    reused receive buffers (fresh memory would fault its pages in on every copy)."""
-    threshold = get_settings().shm_segment_threshold
-    out = []
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if t.is_cpu and n >= threshold:
-            buf = pool.take(n)
-            buf.copy_(codec.as_bytes(t))
-            t = buf.view(t.dtype).view(t.shape)
-        out.append(t)
-    return out
 
 
 class Peer:

@@ -124,28 +124,3 @@ def test_an_outbox_hands_what_may_not_go_inline_to_its_own_thread_in_order():
     finally:
         release.set()
         executor.shutdown(wait=False)
-
-
-def test_the_worker_keeps_copies_of_large_received_tensors_only():
-    from rlcomm.comm.endpoint import owned
-    from rlcomm.settings import get_settings
-
-    big = torch.zeros(get_settings().shm_segment_threshold, dtype=torch.uint8)
-    small = torch.zeros(16)
-    kept = owned([big, small])
-    assert kept[0].data_ptr() != big.data_ptr() and torch.equal(kept[0], big)
-    assert kept[1] is small
-
-
-def test_a_stored_item_is_copied_only_if_it_was_not_handed_out():
-    from rlcomm.channel.payload import StoredItem
-    from rlcomm.settings import get_settings
-
-    big = torch.ones(get_settings().shm_segment_threshold, dtype=torch.uint8)
-    payload, tensors = encode_item(big)
-    forwarded, queued = StoredItem(payload, list(tensors)), StoredItem(payload, list(tensors))
-    forwarded.taken = True  # a reply handed it out at once
-    forwarded.own()
-    queued.own()
-    assert forwarded.tensors[0] is tensors[0]
-    assert queued.tensors[0].data_ptr() != big.data_ptr() and torch.equal(queued.decode(), big)
