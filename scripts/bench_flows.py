@@ -365,7 +365,8 @@ def plot(results: dict[str, list[dict[str, Any]]], out: str) -> None:
     if results["weight_sync"]:
         left.set_title(f"Weight sync, {human_size(results['weight_sync'][0]['bytes'])}")
     left.set_xlabel("receivers")
-    left.set_ylabel("ms until every receiver holds it")
+    left.set_yscale("log")  # the zero-copy paths sit orders of magnitude below the rest
+    left.set_ylabel("ms until every receiver holds it (log)")
     left.grid(True, alpha=0.3)
     left.legend(fontsize=8)
     roll = results["rollout"]
@@ -373,7 +374,8 @@ def plot(results: dict[str, list[dict[str, Any]]], out: str) -> None:
     right.bar([x - 0.2 for x in xs], [r["cold_GBps"] for r in roll], 0.4, label="cold")
     right.bar([x + 0.2 for x in xs], [r["warm_GBps"] for r in roll], 0.4, label="warm")
     right.set_xticks(list(xs), [r["path"] for r in roll], rotation=30, ha="right", fontsize=8)
-    right.set_ylabel("GB/s")
+    right.set_yscale("log")
+    right.set_ylabel("GB/s (log)")
     if roll:
         right.set_title(f"Rollout dict, {human_size(roll[0]['bytes'])}")
     right.legend()

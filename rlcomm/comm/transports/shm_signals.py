@@ -169,21 +169,16 @@ class SignalSockets:
 
     def send_fd(self, seg_id: int, size: int, fd: int, deadline: float) -> None:
         """Pass a new segment's memfd to the peer."""
-        try:
-            self.out.settimeout(max(0.01, deadline - time.monotonic()))
-            socket.send_fds(self.out, [b"f" + _SEGMENT.pack(seg_id, size)], [fd])
-        except TimeoutError as exc:
-            raise CommTimeoutError(f"shm send to {self._peer} timed out") from exc
-        except OSError as exc:
-            raise self.lost("shm send") from exc
-        finally:
-            self.out.settimeout(None)
+        self._send_with_fd(b"f" + _SEGMENT.pack(seg_id, size), fd, deadline)
 
     def send_handed(self, fd: int, offset: int, nbytes: int, deadline: float) -> None:
         """Pass a handed-over block's memfd, and the range of it that is sent, to the peer."""
+        self._send_with_fd(b"h" + _HANDED.pack(offset, nbytes), fd, deadline)
+
+    def _send_with_fd(self, data: bytes, fd: int, deadline: float) -> None:
         try:
             self.out.settimeout(max(0.01, deadline - time.monotonic()))
-            socket.send_fds(self.out, [b"h" + _HANDED.pack(offset, nbytes)], [fd])
+            socket.send_fds(self.out, [data], [fd])
         except TimeoutError as exc:
             raise CommTimeoutError(f"shm send to {self._peer} timed out") from exc
         except OSError as exc:
