@@ -223,6 +223,9 @@ class Syncer(Worker):
             weights = {f"w{i}": rlcomm.empty(n) for i in range(3)}
             for i, t in enumerate(weights.values()):
                 t.fill_(step + i)
+            # A small tensor of ordinary memory beside them: it is copied into a small
+            # block of its own, and the message still goes by fds (no slot).
+            weights["step"] = torch.tensor([step], dtype=torch.int64)
         got = self.broadcast(weights, groups=[("ho_sync", [0, 1, 2])], src=("ho_sync", 0))
         sums = [float(t.sum()) for t in got.values()]
         if self._rank == 1:  # its pages are its own: no one else sees this
@@ -244,8 +247,8 @@ def test_a_weight_sync_hands_the_state_dict_to_every_member(cluster):
         n = 1 << 18
         for step in (1, 5):
             got = group.sync(step, n).wait()
-            want = [float(n * (step + i)) for i in range(3)]
+            want = [float(n * (step + i)) for i in range(3)] + [float(step)]
             assert got == [(want, 0)] * 3  # and no slot was filled: nothing was copied
-            assert group.held_sums().wait() == [want, [0.0] * 3, want]
+            assert group.held_sums().wait() == [want, [0.0] * 4, want]
     finally:
         group.shutdown()

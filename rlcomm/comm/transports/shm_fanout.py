@@ -92,15 +92,42 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _handed_over(frame: bytes, payload: Sequence[torch.Tensor]) -> list[tuple[int, int, int]] | None:
-    """``(fd, offset, nbytes)`` of every payload tensor when all of them are handed-over
-    memory and the message fits one datagram; else None (the payload is copied)."""
+#: A message whose payload is mostly handed-over memory still goes by fds when its other
+#: tensors (a step counter beside a state dict) total at most this many bytes: they are
+#: copied into one small memfd of their own.
+MAX_HANDED_REST = 4 << 20
+
+
+def _handed_over(
+    frame: bytes, payload: Sequence[torch.Tensor]
+) -> tuple[list[tuple[int, int, int]], int | None] | None:
+    """``(fd, offset, nbytes)`` of every payload tensor, and the fd of the block made for
+    those that were not handed-over memory (close it once sent; None if all were), when
+    the message can go by fds; else None (the payload is copied into a slot)."""
     if not payload or len(payload) > MAX_HANDED or len(frame) > MAX_INLINE_FRAME:
         return None
     if not shm_handover.has_blocks():
         return None
     handed = [shm_handover.find(t) for t in payload]
-    return None if any(h is None for h in handed) else handed  # type: ignore[return-value]
+    rest = [i for i, h in enumerate(handed) if h is None]
+    if not rest:
+        return handed, None  # type: ignore[return-value]
+    offsets, need = payload_offsets(0, [payload[i].numel() for i in rest])
+    if len(rest) == len(payload) or need > MAX_HANDED_REST:
+        return None
+    fd = sealed_memfd("rlcomm-bcast-rest", need)
+    try:
+        with mmap.mmap(fd, need, flags=mmap.MAP_SHARED) as mm:
+            block = torch.frombuffer(mm, dtype=torch.uint8)
+            for i, off in zip(rest, offsets):
+                n = payload[i].numel()
+                block[off : off + n].copy_(payload[i])
+                handed[i] = (fd, off, n)
+            del block
+    except BaseException:
+        os.close(fd)
+        raise
+    return handed, fd  # type: ignore[return-value]
 
 
 class _Slot:
@@ -251,7 +278,8 @@ class FanoutSource:
         gone, or whose socket stayed full until ``deadline``); the others got it."""
         failures: dict[int, Exception] = {}
         slot = None
-        handed = _handed_over(frame, payload)
+        by_fd = _handed_over(frame, payload)
+        handed, rest_fd = by_fd if by_fd is not None else (None, None)
         if handed is not None:
             payload = ()
         elif payload or len(frame) > MAX_INLINE_FRAME:
@@ -260,6 +288,18 @@ class FanoutSource:
             slot.mm[: len(frame)] = frame
             for off, t in zip(offsets, payload):
                 slot.tensor[off : off + t.numel()].copy_(t)
+        try:
+            self._hand_to_each(seq, frame, slot, handed, deadline, failures)
+        finally:
+            if rest_fd is not None:  # each receiver got its own reference
+                os.close(rest_fd)
+        return failures
+
+    def _hand_to_each(
+        self, seq: int, frame: bytes, slot: _Slot | None,
+        handed: list[tuple[int, int, int]] | None, deadline: float,
+        failures: dict[int, Exception],
+    ) -> None:
         for member, link in self._links.items():
             if not link.alive:
                 failures[member] = PeerLostError(f"{self._label}: receiver {member} is gone")
@@ -282,7 +322,6 @@ class FanoutSource:
                     failures[member] = PeerLostError(
                         f"{self._label}: receiver {member} is gone ({exc})"
                     )
-        return failures
 
     def _send(
         self, link: _Link, seq: int, frame: bytes, slot: _Slot | None, deadline: float
