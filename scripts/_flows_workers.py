@@ -19,7 +19,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from bench_channel import make_item
+from bench_channel import make_item, put_windowed
 
 WAIT_S = 600.0  # the bound on every wait inside the workers
 
@@ -211,16 +211,7 @@ class FlowOps:
             for _ in range(n):
                 ch.put(item, weight=1)
         else:
-            previous: list[Any] = []
-            window: list[Any] = []
-            for _ in range(n):
-                window.append(ch.put(item, weight=1, async_op=True))
-                if len(window) == batch:
-                    for w in previous:
-                        w.wait()
-                    previous, window = window, []
-            for w in previous + window:
-                w.wait()
+            put_windowed(lambda: ch.put(item, weight=1, async_op=True), n, batch)
         return start
 
     def stream_get(self, channel: str, n: int, batch: int) -> float:

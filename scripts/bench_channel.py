@@ -59,6 +59,21 @@ def make_item(kind: str) -> Any:
     return torch.ones(MIB // 4, dtype=torch.float32)
 
 
+def put_windowed(put_async: Any, n: int, batch: int) -> None:
+    """``n`` calls of ``put_async()`` (each returns a handle with ``wait()``), at most two
+    windows of ``batch`` in flight: a window is waited for once the next one is full."""
+    window: list[Any] = []
+    previous: list[Any] = []
+    for _ in range(n):
+        window.append(put_async())
+        if len(window) == batch:
+            for work in previous:
+                work.wait()
+            previous, window = window, []
+    for work in previous + window:
+        work.wait()
+
+
 class Producer(Worker):
     """Puts ``n`` items; returns the wall-clock time of its first put."""
 
@@ -80,16 +95,7 @@ class Producer(Worker):
             for _ in range(n):
                 queue.put(item)
         else:  # "batched" and "pipelined": async puts, at most two batches / B in flight
-            window: list[Any] = []
-            previous: list[Any] = []
-            for _ in range(n):
-                window.append(queue.put(item, weight=1, async_op=True))
-                if len(window) == batch:
-                    for work in previous:
-                        work.wait()
-                    previous, window = window, []
-            for work in previous + window:
-                work.wait()
+            put_windowed(lambda: queue.put(item, weight=1, async_op=True), n, batch)
         return start
 
     def where(self) -> str:
