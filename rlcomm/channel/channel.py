@@ -19,7 +19,7 @@ from rlcomm.channel.aio import AsyncChannelOps
 from rlcomm.channel.itemtype import check_put, validate_type
 from rlcomm.channel.lifecycle import ChannelInfo
 from rlcomm.channel.local import LocalLink
-from rlcomm.channel.requester import Description, Requester
+from rlcomm.channel.requester import Requester
 from rlcomm.channel.routing import REPLY_GRACE, KeyRouter
 from rlcomm.cluster import Cluster
 from rlcomm.comm.options import default_timeout
@@ -392,7 +392,6 @@ class Channel(AsyncChannelOps):
         ``timeout`` is the request's own; the work waits :data:`REPLY_GRACE` longer for
         the worker's answer, then withdraws the request.
         """
-        what = Description(self.name, req)
-        work = requester.request(req, what, timeout + REPLY_GRACE, tensors, not async_op)
+        work = requester.request(req, timeout + REPLY_GRACE, tensors, not async_op)
         return work if async_op else work.wait()
 

@@ -108,16 +108,23 @@ class Link(Requester):
             logger.error("channel %r: a malformed reply message from %s (%s); dropped",
                          self.channel, self.where, exc)
             return
+        done: list[int] = []  # put and close replies: resolved together, in one go
         for reply in frame.replies:
             tp = type(reply)
+            if tp is P.Done:
+                done.append(reply.rid)
+                continue
+            if done:
+                self.complete_done(done)
+                done = []
             if tp is P.Got:
                 self.complete(reply.rid, P.OK, got[reply.rid], reply.weights)
-            elif tp is P.Done:
-                self.complete(reply.rid, P.OK)
             elif tp is P.Count:
                 self.complete(reply.rid, P.OK, reply.value)
             else:
                 self.complete(reply.rid, reply.status, text=reply.text)
+        if done:
+            self.complete_done(done)
 
     def _on_error(self, exc: CommError) -> None:
         self.lose(exc)

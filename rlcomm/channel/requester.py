@@ -1,13 +1,14 @@
 """``Requester``: request ids, futures and results of one channel worker (or local channel).
 
-A request gets an id and a future; its reply resolves the future, with the request's
-result or the error its status means. The handle callers get is an
-:class:`~rlcomm.comm.work.AsyncWork` over that future (:meth:`Requester.request`): its
-``wait`` lets the waiting thread read its own reply (:meth:`Requester.wait_reply`), and
-abandoning a wait (a timeout, an asyncio task cancelled, ``KeyboardInterrupt``) cancels
-the future and withdraws the request at the worker (``Cancel``). If its items were on
-their way already, they are put back at the head of their key (``Requeue``), so none is
-lost.
+A request gets an id; its reply resolves it, with the request's result or the error its
+status means. The handle callers get is a :class:`RequestWork` (an
+:class:`~rlcomm.comm.work.AsyncWork`): its ``wait`` lets a blocking caller read its own
+reply (:meth:`Requester.wait_reply`), and abandoning a wait (a timeout, an asyncio task
+cancelled, ``KeyboardInterrupt``) cancels it and withdraws the request at the worker
+(``Cancel``). If its items were on their way already, they are put back at the head of
+their key (``Requeue``), so none is lost. An async request gets a future only when
+someone has to wait for it; replies to many puts are resolved at once
+(:meth:`Requester.complete_done`).
 
 How requests travel and items are carried is the subclass's business:
 :class:`~rlcomm.channel.client.Link` (a channel worker, items as encoded payloads) and
@@ -63,18 +64,84 @@ class Description:
 
 
 class _Pending:
-    __slots__ = ("future", "req", "key", "timeout", "result")
+    """A request waiting for its reply, and then its outcome.
 
-    def __init__(self, future: concurrent.futures.Future, req: P.Request):
-        self.future = future
+    ``future`` is made only when someone needs one (see :class:`RequestWork`); until then
+    a reply just records ``value`` or ``error`` and sets ``settled``.
+    """
+
+    __slots__ = ("req", "result", "future", "settled", "value", "error")
+
+    def __init__(self, req: P.Request, future: concurrent.futures.Future | None):
         self.req = req
-        self.key = getattr(req, "key", "")
-        self.timeout = getattr(req, "timeout", None)
         self.result = _RESULTS[type(req)]
+        self.future = future
+        self.settled = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    @property
+    def key(self) -> P.Key:
+        return getattr(self.req, "key", "")
+
+    @property
+    def timeout(self) -> float | None:
+        return getattr(self.req, "timeout", None)
 
     @property
     def op(self) -> str:
         return P.op_name(self.req)
+
+
+class RequestWork(AsyncWork):
+    """The :class:`~rlcomm.AsyncWork` of one channel request.
+
+    Its future is made on first need: a ``wait`` that has to block, ``async_wait``,
+    ``future``. A request whose reply came before anyone waited (the usual case for a
+    stream of ``put(async_op=True)``) costs no future and no condition variable: ``wait``
+    and ``done`` read its outcome directly. Abandoning a wait that had to block (a
+    timeout, an interrupt, a cancelled task) withdraws the request, as for any
+    cancellable work.
+    """
+
+    def __init__(self, requester: Requester, pending: _Pending, timeout: float, inline: bool):
+        # AsyncWork's fields, set directly: this runs once per request.
+        self._requester = requester
+        self._pending = pending
+        self._future = pending.future
+        self._timeout = timeout
+        self._waiter = requester.wait_reply if inline else None
+        self._cancellable = True
+        self._on_cancel = None
+
+    @property
+    def _description(self) -> Description:  # type: ignore[override]
+        return Description(self._requester.channel, self._pending.req)
+
+    def _result_future(self) -> concurrent.futures.Future:
+        fut = self._future
+        if fut is None:
+            fut = self._future = self._requester._future_of(self._pending)
+        return fut
+
+    def wait(self, timeout: float | None = None) -> Any:
+        p = self._pending
+        if p.settled:
+            if p.error is not None:
+                raise p.error
+            return p.value
+        return super().wait(timeout)
+
+    def done(self) -> bool:
+        if self._pending.settled:
+            return True
+        fut = self._future
+        return fut is not None and fut.done()
+
+    def _abandon(self) -> None:
+        fut = self._future
+        if fut is not None and fut.cancel():
+            self._requester._withdraw(self._pending)
 
 
 class Requester:
@@ -120,32 +187,29 @@ class Requester:
     # -- requests -------------------------------------------------------------------------------
 
     def request(
-        self, req: P.Request, description: object, timeout: float,
-        tensors: list[torch.Tensor] | None = None, inline: bool = True,
-    ) -> AsyncWork:
+        self, req: P.Request, timeout: float, tensors: list[torch.Tensor] | None = None,
+        inline: bool = True,
+    ) -> RequestWork:
         """Send ``req`` (its ``rid`` is set here) and return its handle: the work completes
         with the request's result or error; abandoning a wait withdraws the request (see
         the module docstring).
 
         Args:
-            description: names the request in timeout messages.
             timeout: seconds ``wait`` waits by default.
             tensors: the tensors of the request's item.
-            inline: send from this thread (``False``: from the flush pool).
+            inline: send from this thread, which is about to wait for the reply
+                (``False``: an async op; sent from the flush pool).
         """
         rid = req.rid = next(self._rids)  # type: ignore[union-attr]
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        pending = _Pending(fut, req)
+        # A blocking caller waits at once (and reads its own reply: wait_reply), so its
+        # future is made now; an async op's only when someone waits for it unanswered.
+        pending = _Pending(req, concurrent.futures.Future() if inline else None)
         with self._lock:
             if self._lost is not None:
                 raise self._lost_error(pending.op, pending.key)
             self._pending[rid] = pending
         self._post([(req, tensors or [])], inline)
-        # A blocking caller reads its own reply (wait_reply); an async op's reply is read
-        # by the connection's reader, and its waiter just blocks on the future.
-        return AsyncWork(fut, description, timeout,
-                         waiter=self.wait_reply if inline else None, cancellable=True,
-                         on_cancel=lambda: self._withdraw(rid, pending.key))
+        return RequestWork(self, pending, timeout, inline)
 
     def post_oneway(self, req: P.Request, tensors: list[torch.Tensor] | None = None) -> None:
         """Send a request that gets no reply (``Cancel``, ``Requeue``), never inline."""
@@ -157,11 +221,27 @@ class Requester:
         done, _ = concurrent.futures.wait([fut], timeout)
         return bool(done)
 
-    def _withdraw(self, rid: int, key: P.Key) -> None:
+    def _future_of(self, p: _Pending) -> concurrent.futures.Future:
+        """The future of ``p``, made now if it has none (completed at once if settled)."""
+        with self._lock:
+            fut = p.future
+            if fut is not None:
+                return fut
+            fut = p.future = concurrent.futures.Future()
+            settled = p.settled
+        if settled:  # the reply came first: the future only reports it
+            if p.error is not None:
+                fut.set_exception(p.error)
+            else:
+                fut.set_result(p.value)
+        return fut
+
+    def _withdraw(self, p: _Pending) -> None:
+        rid = P.rid_of(p.req)
         with self._lock:
             still_pending = rid in self._pending
         if still_pending:
-            self.post_oneway(P.Cancel(key, rid))
+            self.post_oneway(P.Cancel(p.key, rid))
 
     # -- replies ----------------------------------------------------------------------------------
 
@@ -169,40 +249,74 @@ class Requester:
         self, rid: int, status: P.Status, value: Any = None,
         weights: list[float] | None = None, text: str = "",
     ) -> None:
-        """Resolve the future of request ``rid`` with a reply (``value``: the items a get
-        took, as :meth:`_decode` takes them, or a count)."""
+        """Resolve request ``rid`` with a reply (``value``: the items a get took, as
+        :meth:`_decode` takes them, or a count)."""
         with self._lock:
             p = self._pending.pop(rid, None)
         if p is None:
             logger.warning("channel %r: a reply for unknown request %s", self.channel, rid)
             return
         got_items = status == P.OK and p.result in (_ONE, _MANY)
-        if p.future.cancelled():
+        fut = p.future
+        if fut is not None and fut.cancelled():
             if got_items:
                 self._give_back(p.key, value, weights or [])
             return
+        result: Any = None
+        error: BaseException | None = None
         if status != P.OK:
-            result: Any = None
-            error: BaseException | None = self._error(p, status, text)
+            error = self._error(p, status, text)
         else:
-            error = None
             try:
                 if p.result == _ONE:
                     result = self._decode(value[0])
                 elif p.result == _MANY:
                     result = [self._decode(item) for item in value]
-                else:
-                    result = value if p.result == _VALUE else None
+                elif p.result == _VALUE:
+                    result = value
             except Exception as exc:  # noqa: BLE001 - the consumer cannot decode: its error
                 error = exc
+        if not self._settle(p, result, error) and got_items:
+            self._give_back(p.key, value, weights or [])  # cancelled meanwhile
+
+    def complete_done(self, rids: list[int]) -> None:
+        """Resolve requests with no result (puts, closes) that succeeded: many at once,
+        under one acquisition of the lock."""
+        futures: list[concurrent.futures.Future] = []
+        unknown = 0
+        with self._lock:
+            pop = self._pending.pop
+            for rid in rids:
+                p = pop(rid, None)
+                if p is None:
+                    unknown += 1
+                elif p.future is None:
+                    p.settled = True
+                else:
+                    futures.append(p.future)
+        for fut in futures:
+            try:
+                fut.set_result(None)
+            except concurrent.futures.InvalidStateError:  # cancelled: nothing to give back
+                pass
+        if unknown:
+            logger.warning("channel %r: %d replies for unknown requests", self.channel, unknown)
+
+    def _settle(self, p: _Pending, result: Any, error: BaseException | None) -> bool:
+        """Record the outcome of ``p``; False if its future was cancelled meanwhile."""
+        with self._lock:
+            fut = p.future
+            if fut is None:
+                p.value, p.error, p.settled = result, error, True
+                return True
         try:
             if error is None:
-                p.future.set_result(result)
+                fut.set_result(result)
             else:
-                p.future.set_exception(error)
-        except concurrent.futures.InvalidStateError:  # cancelled meanwhile
-            if got_items:
-                self._give_back(p.key, value, weights or [])
+                fut.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            return False
+        return True
 
     def _error(self, p: _Pending, status: int, text: str) -> BaseException:
         where = f"channel {self.channel!r}: {p.op} on key {p.key!r}"
@@ -237,11 +351,7 @@ class Requester:
                 self._lost = cause
             pending, self._pending = self._pending, {}
         for p in pending.values():
-            if not p.future.done():
-                try:
-                    p.future.set_exception(self._lost_error(p.op, p.key))
-                except concurrent.futures.InvalidStateError:
-                    pass
+            self._settle(p, None, self._lost_error(p.op, p.key))
 
     def fail(self, entries: list[Entry], exc: BaseException) -> None:
         """Fail the requests of ``entries`` (a message that could not be sent)."""
@@ -252,7 +362,7 @@ class Requester:
             rid = P.rid_of(req)
             with self._lock:
                 p = self._pending.pop(rid, None) if rid != P.NO_REPLY else None
-            if p is None or p.future.done():
+            if p is None:
                 continue
             err = exc
             if isinstance(exc, CommError) and not isinstance(exc, CommTimeoutError):
@@ -260,10 +370,7 @@ class Requester:
                     f"channel {self.channel!r}: {p.op} on key {p.key!r}: sending to "
                     f"{self.where} failed: {exc}"
                 )
-            try:
-                p.future.set_exception(err)
-            except concurrent.futures.InvalidStateError:
-                pass
+            self._settle(p, None, err)
 
     @property
     def lost(self) -> bool:

@@ -109,8 +109,7 @@ class KeyRouter:
             return rank
         coordinator = self.link(0)
         req = Route(NO_REPLY, key, routes.local_rank if assign else -1)
-        rank = coordinator.request(req, f"channel {self._info.name!r}: route of key {key!r}",
-                                   default_timeout() + REPLY_GRACE).wait()
+        rank = coordinator.request(req, default_timeout() + REPLY_GRACE).wait()
         if rank >= 0:
             routes.remember(key, rank)
         return rank
