@@ -90,8 +90,11 @@ class Settings:
     shm_pool_bytes: int = _setting(
         4 << 30, "most bytes of shared-memory segments a connection keeps per direction",
         live=False, minimum=0)
+    copy_threads: int = _setting(
+        0, "threads that share one large copy into shared memory (0: as many as CPUs, "
+        "at most 4; 1: no splitting)", live=False, minimum=0)
     shm_max_in_flight: int = _setting(
-        32, "most shared-memory segments a sender has in flight per connection", live=False,
+        64, "most shared-memory segments a sender has in flight per connection", live=False,
         minimum=2)
     strict: bool = _setting(
         False, "strict mode: received pickles may build only plain values and tensors "

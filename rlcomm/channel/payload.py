@@ -72,7 +72,8 @@ def encode_item(item: Any) -> tuple[Payload, list[torch.Tensor]]:
     Raises:
         CodecError: the item cannot be encoded.
     """
-    if type(item) in _PLAIN:
+    tp = type(item)
+    if tp in _PLAIN and (tp is not bytes and tp is not str or len(item) <= INLINE_ITEM_BYTES):
         data = pickle.dumps(item, protocol=codec.PICKLE_PROTOCOL)
         if len(data) <= INLINE_ITEM_BYTES:
             return Payload(b"", data), []
@@ -91,7 +92,7 @@ def encode_item(item: Any) -> tuple[Payload, list[torch.Tensor]]:
 
 def _split(header: codec.MessageHeader, data: bytes) -> list[Any]:
     """The tensors of an inline payload (an ``OBJECT`` item's pickle stays ``bytes``)."""
-    if header.kind == Kind.OBJECT:
+    if header.kind == Kind.OBJECT or header.kind == Kind.BYTES:
         return [data]
     out: list[Any] = []
     offset = 0

@@ -37,10 +37,16 @@ from rlcomm.comm.broadcast_gloo import GlooBroadcast
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
-from rlcomm.comm.transports.shm import SHM_SUPPORTED
+from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.shm_fanout import FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
-from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
+from rlcomm.errors import (
+    CommError,
+    CommTimeoutError,
+    OptionsMismatchError,
+    PeerLostError,
+    ProtocolMismatchError,
+)
 
 GroupsSpec = Sequence[tuple[str, Any]]
 
@@ -108,10 +114,19 @@ class BroadcastGroup:
         self._sinks: dict[int, FanoutSink] = {}  # by source index
         self._seq_in: dict[int, int] = {}
 
+    @staticmethod
+    def _shared_copy() -> bool:
+        """Whether members on one node share one copy: the registry's transport for a
+        same-node pair is shared memory (what the fan-out needs)."""
+        try:
+            return registry.select(registry.PairFacts(same_node=True)).memory_only
+        except OptionsMismatchError:
+            return False
+
     def plan(self, src: int) -> tuple[list[int], list[int]]:
         """The local and remote receivers of a broadcast from ``src``."""
         others = [i for i in range(len(self.members)) if i != src]
-        if not SHM_SUPPORTED:
+        if not self._shared_copy():
             return [], others
         local = [i for i in others if self._nodes[i] == self._nodes[src]]
         return local, [i for i in others if i not in local]
@@ -120,7 +135,7 @@ class BroadcastGroup:
         """The relay of each other node of a broadcast from ``src``, and the members it
         hands the payload to (every member is its own relay without shared memory)."""
         _, remote = self.plan(src)
-        if not SHM_SUPPORTED:
+        if not self._shared_copy():
             return {i: [] for i in remote}
         by_node: dict[Any, list[int]] = {}
         for i in remote:

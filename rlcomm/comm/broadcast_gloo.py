@@ -4,6 +4,7 @@ nodes, one process group per distinct ordered set of those members, made on firs
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +17,9 @@ from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.base import (
     FOREVER,
     FRAME_BYTES,
-    classify_error,
     fixed_frames,
     frame_rest,
+    map_error,
 )
 from rlcomm.comm.transports.gloo import new_gloo_group
 
@@ -49,6 +50,7 @@ class GlooBroadcast:
     def _connect(self, timeout: float) -> Any:
         """The Gloo group, created on first use (every rank must reach this)."""
         if self._pg is None:
+            deadline = time.monotonic() + timeout
             self._store = self._connect_store()
             try:
                 self._pg = new_gloo_group(
@@ -56,16 +58,19 @@ class GlooBroadcast:
                     self._host,
                 )
             except RuntimeError as exc:
-                raise classify_error(exc, "broadcast rendezvous", self._label) from exc
+                raise map_error(exc, "broadcast rendezvous", self._label, deadline) from exc
         return self._pg
 
     def _run(self, pg: Any, tensors: list[torch.Tensor], src: int, timeout: float) -> None:
+        # Gloo raises RuntimeError for a timeout and a lost peer alike: the deadline
+        # tells them apart (see map_error).
+        deadline = time.monotonic() + timeout if timeout else None
         try:
             works = [pg.broadcast(t, src) for t in tensors]
             for work in works:
                 work.wait(datetime.timedelta(seconds=timeout) if timeout else FOREVER)
         except RuntimeError as exc:
-            raise classify_error(exc, "broadcast", self._label) from exc
+            raise map_error(exc, "broadcast", self._label, deadline) from exc
 
     def send(self, frame: bytes, payload: list[torch.Tensor], src: int, timeout: float) -> None:
         """As rank ``src``: send a message's frame, then its payload (uint8 CPU views, or

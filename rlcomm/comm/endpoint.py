@@ -75,9 +75,9 @@ class Peer:
 
     @property
     def shared_memory(self) -> bool:
-        """Whether messages go through shared memory (a write then waits only on the
-        peer's reading, never on a network)."""
-        return self._conn.transport_name == "shm"
+        """Whether a write waits only on the peer's reading, never on a network (the
+        transport is ``memory_only``: shared memory)."""
+        return self._conn.memory_only
 
     def send(self, frame: bytes, tensors: list[torch.Tensor], timeout: float | None = None) -> None:
         """Send a message from this thread (after any queued async sends).

@@ -57,9 +57,9 @@ def unpack(frame: bytes) -> tuple[MessageHeader, bytes]:
 
 
 def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor | bytes]:
-    """Rebuild a message's CPU tensors from its inline bytes (an ``OBJECT`` message's
-    one "tensor", its pickle, stays ``bytes``: :func:`codec.decode` unpickles it)."""
-    if header.kind == Kind.OBJECT:
+    """Rebuild a message's CPU tensors from its inline bytes (the one "tensor" of an
+    ``OBJECT`` or ``BYTES`` message stays ``bytes``: :func:`codec.decode` takes it so)."""
+    if header.kind == Kind.OBJECT or header.kind == Kind.BYTES:
         return [inline]
     tensors: list[torch.Tensor | bytes] = []
     offset = 0

@@ -258,6 +258,29 @@ def test_everything_else_is_one_pickled_cpu_tensor(obj):
     same(obj, out)
 
 
+def test_large_bytes_travel_as_their_content_without_a_copy():
+    data = bytes(range(256)) * (codec_message.BYTES_MIN // 256 + 3)
+    header, tensors = encode(data)
+    assert header.kind == Kind.BYTES and len(tensors) == 1
+    (t,) = tensors
+    assert t.numel() == len(data) and t.data_ptr() == _address_of(data)  # a view, no copy
+    header, out = _transfer(data)
+    assert type(out) is bytes and out == data
+    assert decode(header, [data]) == data  # inline bytes (framing) are the object itself
+    small = bytes(codec_message.BYTES_MIN - 1)
+    assert encode(small)[0].kind == Kind.OBJECT and _transfer(small)[1] == small
+    with pytest.raises(CodecError, match="flat uint8 CPU bytes"):
+        decode(header, [torch.zeros(len(data) // 4, dtype=torch.float32)])
+    with pytest.raises(CodecError, match="cannot be decoded"):
+        decode(header, [])
+
+
+def _address_of(data: bytes) -> int:
+    import ctypes
+
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+
+
 def test_tensors_inside_pickled_objects_travel_detached_and_contiguous():
     ts = [random_tensor(dtype, (3, 2), 5) for _, dtype in ALL_DTYPES]  # float8, uint16, ...
     grad = torch.randn(2, 3, requires_grad=True)

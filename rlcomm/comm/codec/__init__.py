@@ -13,6 +13,10 @@ allocates buffers with :func:`empty_like_meta`, receives into them and calls :fu
   pickled (protocol 5) into ONE ``uint8`` CPU tensor, kind ``OBJECT``. Tensors inside it
   are copied into the pickle; CUDA ones come back on the same device index (``cuda:1``).
 
+- a ``bytes`` object of 64 KiB or more (:data:`~rlcomm.comm.codec.message.BYTES_MIN`)
+  travels as its content, kind ``BYTES``: the sender copies nothing, the receiver copies
+  it once into the new ``bytes``.
+
 A message may carry zero tensors (an empty list or dict, a dataclass without tensors).
 
 *Strict mode* (:func:`set_strict_mode`, or ``RLCOMM_STRICT=1`` in the environment when

@@ -45,6 +45,7 @@ class Kind(IntEnum):
     DATACLASS = 3  #: a dataclass instance, see :class:`DataclassNode`
     OBJECT = 4  #: anything else, pickled into one ``uint8`` CPU tensor
     RAW = 5  #: one tensor for ``send_tensor``/``recv_tensor``; the header is not sent
+    BYTES = 6  #: a large ``bytes`` object, its content as one ``uint8`` CPU tensor
 
 
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True, gc=False):

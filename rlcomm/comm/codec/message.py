@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -13,6 +14,17 @@ from rlcomm.comm.codec.pickling import pickle_object, unpickle
 from rlcomm.comm.codec.structure import Walker, build, render
 from rlcomm.comm.codec.tensors import check_one_device, prepare
 from rlcomm.errors import CodecError
+
+#: A ``bytes`` object of at least this many bytes travels as its content (kind ``BYTES``),
+#: not pickled: the sender copies nothing, the receiver copies once into the new object.
+BYTES_MIN = 64 << 10
+
+
+def _bytes_view(data: bytes) -> torch.Tensor:
+    """A zero-copy uint8 view of ``data`` (read-only memory: a transport only reads it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.Tensor]]:
@@ -49,6 +61,9 @@ def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.T
         kind = Kind.TENSOR_LIST if tp is list else Kind.TENSOR_DICT
         node = None if tp is list else DictNode(keys, list(range(len(keys))))
         return MessageHeader(kind, metas, node, pb), [t for _, t in pairs]
+    if tp is bytes and len(obj) >= BYTES_MIN:
+        meta = TensorMeta("uint8", (len(obj),), "cpu")
+        return MessageHeader(Kind.BYTES, [meta], None, pb), [_bytes_view(obj)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         walker = Walker()
         try:
@@ -59,9 +74,7 @@ def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.T
         return MessageHeader(Kind.DATACLASS, walker.metas, node, pb), walker.tensors
     data = pickle_object(obj, "object")
     meta = TensorMeta("uint8", (len(data),), "cpu")
-    return MessageHeader(Kind.OBJECT, [meta], None, pb), [
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    ]
+    return MessageHeader(Kind.OBJECT, [meta], None, pb), [_bytes_view(data)]
 
 
 def encode_raw(tensor: torch.Tensor) -> tuple[MessageHeader, list[torch.Tensor]]:
@@ -83,7 +96,9 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
             dataclass cannot be imported here, or unpickling fails.
     """
     kind, n = header.kind, len(header.tensors)
-    if len(tensors) != n or (n != 1 and kind in (Kind.TENSOR, Kind.RAW, Kind.OBJECT)):
+    if len(tensors) != n or (
+        n != 1 and kind in (Kind.TENSOR, Kind.RAW, Kind.OBJECT, Kind.BYTES)
+    ):
         raise CodecError(
             f"a {Kind(kind).name} message declaring {n} tensors cannot be decoded "
             f"with {len(tensors)} tensors"
@@ -94,6 +109,8 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
         obj = list(tensors)
     elif kind == Kind.OBJECT:
         obj = unpickle(tensors[0], "object")
+    elif kind == Kind.BYTES:
+        obj = _to_bytes(tensors[0], header.tensors[0])
     elif type(header.structure) is (DictNode if kind == Kind.TENSOR_DICT else DataclassNode):
         try:
             obj = build(header.structure, tensors)
@@ -106,3 +123,13 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+
+
+def _to_bytes(data: torch.Tensor | bytes, meta: TensorMeta) -> bytes:
+    """The ``bytes`` object of a ``BYTES`` message (inline bytes stay as they are)."""
+    if isinstance(data, bytes):
+        return data
+    if meta.dtype != "uint8" or data.dtype is not torch.uint8 or data.dim() != 1 or not data.is_cpu:
+        raise CodecError(f"a BYTES message carries a {meta.dtype} {data.dtype} tensor, not "
+                         "flat uint8 CPU bytes")
+    return data.numpy().tobytes()

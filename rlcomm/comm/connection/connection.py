@@ -71,6 +71,8 @@ class Connection:
         self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
         self._consumer_lock = threading.Lock()
         self.transport_name = "pending"
+        #: Whether the transport's sends wait only on the peer's reading (its ``memory_only``).
+        self.memory_only = False
         # Set by the manager: options this side gave on first contact, the group fields
         # both ends agreed on, and whether this side's first op checked them.
         self.requested_options: Any = None
@@ -88,6 +90,7 @@ class Connection:
         if facts is not None:
             self.facts = facts
         self.transport_name = transport.name
+        self.memory_only = transport.memory_only
         self.reader.attach(transport)
         self.sender.transport = transport
         start_receiver_thread(self.reader)

@@ -104,17 +104,6 @@ def map_error(
     )
 
 
-def classify_error(exc: BaseException, what: str, peer: str) -> CommError:
-    """For callers that do not know their op's deadline (the broadcast groups): like
-    :func:`map_error`, and a plain ``RuntimeError`` that says it timed out counts as a
-    timeout. Transports use :func:`map_error` with the deadline instead."""
-    ambiguous = not isinstance(exc, (CommError, *_LOST_TYPES, *_TIMEOUT_TYPES))
-    text = str(exc).lower()
-    if ambiguous and ("timed out" in text or "timeout" in text):
-        return map_error(TimeoutError(str(exc)), what, peer)
-    return map_error(exc, what, peer)
-
-
 def fixed_frames(frame: bytes) -> list[torch.Tensor]:
     """``frame`` as one :data:`FRAME_BYTES` tensor (its length first), plus one tensor
     with the rest when it does not fit."""
@@ -148,6 +137,10 @@ class Transport(ABC):
     #: Whether :meth:`poll` works: a receiver can then wait for the next frame without
     #: committing to receive it, and any thread may read (one at a time).
     pollable: bool = False
+    #: Whether a send waits only on the peer reading this node's memory, never on a
+    #: network (shared memory): a component may then send from a thread that must not
+    #: wait long, while the peer keeps reading.
+    memory_only: bool = False
     #: Whether the connection closes it on teardown (NCCL's communicator is left to its
     #: own teardown: its shutdown may wait on a dead peer).
     close_on_teardown: bool = True

@@ -79,6 +79,9 @@ class TransportSpec:
         factory: makes one end (both ends call it, each with its rank).
         preference: among transports that accept a pair, the highest is chosen.
         explicit_only: chosen only when named (a transport for tests, say).
+        memory_only: its sends wait only on the peer reading this node's memory (shared
+            memory; the transport's own ``memory_only``). Broadcast hands a node's
+            members one shared copy when the transport of a same-node pair is.
     """
 
     name: str
@@ -88,6 +91,7 @@ class TransportSpec:
     factory: Callable[[TransportSetup], Transport]
     preference: int = 0
     explicit_only: bool = False
+    memory_only: bool = False
 
 
 _lock = threading.Lock()

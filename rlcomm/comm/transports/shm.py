@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports import pool, registry, shm_handover
+from rlcomm.comm.transports import bulk_copy, pool, registry, shm_handover
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
@@ -90,6 +90,7 @@ class ShmTransport(Transport):
 
     name = "shm"
     pollable = True
+    memory_only = True
 
     def __init__(
         self, store: dist.Store, rank: int, timeout: float, peer: str,
@@ -324,7 +325,7 @@ class ShmTransport(Transport):
             self._check_size(t.numel(), n)
             if kind == SEGMENT:
                 seg = self._peer_segment(seg_id, deadline)
-                t.copy_(seg.tensor[:n])
+                bulk_copy.copy(t, seg.tensor[:n])
                 self._in.states[seg_id] = 0
             elif kind == HANDED_RECORD:
                 t.copy_(self._map_handed(n, deadline))
@@ -350,7 +351,7 @@ class ShmTransport(Transport):
                     out.append(torch.from_numpy(arr))
                 else:  # this side keeps many views: copy, so the sender keeps segments
                     t = pool.take(n)
-                    t.copy_(seg.tensor[:n])
+                    bulk_copy.copy(t, seg.tensor[:n])
                     release_segment(self._in.states, seg_id)
                     out.append(t)
             elif kind == HANDED_RECORD:
@@ -393,4 +394,5 @@ def _shm(setup: registry.TransportSetup) -> ShmTransport:
 SPEC = registry.register(registry.TransportSpec(
     name=ShmTransport.name, devices=frozenset({registry.CPU}), pollable=True,
     accepts=lambda facts: facts.same_node and SHM_SUPPORTED, factory=_shm, preference=10,
+    memory_only=ShmTransport.memory_only,
 ))

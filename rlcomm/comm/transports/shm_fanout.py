@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from rlcomm.comm.transports import shm_handover
+from rlcomm.comm.transports import bulk_copy, shm_handover
 from rlcomm.comm.transports.shm_memory import POOL_BYTES, sealed_memfd
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
@@ -134,8 +134,8 @@ class _Slot:
     def __init__(self, index: int, size: int):
         self.index, self.size = index, size
         self.fd = sealed_memfd("rlcomm-bcast", size)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self.mm = mmap.mmap(self.fd, size, flags=flags)
+        # Not pre-faulted: the first copy into it faults its pages in on several threads.
+        self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
 
 
@@ -287,7 +287,7 @@ class FanoutSource:
             slot = self._free_slot(need, deadline)
             slot.mm[: len(frame)] = frame
             for off, t in zip(offsets, payload):
-                slot.tensor[off : off + t.numel()].copy_(t)
+                bulk_copy.copy(slot.tensor[off : off + t.numel()], t)
         try:
             self._hand_to_each(seq, frame, slot, handed, deadline, failures)
         finally:

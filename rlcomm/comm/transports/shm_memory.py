@@ -37,17 +37,19 @@ HEAD, TAIL, WAITING, SLEEPING, STATES = 0, 8, 16, 24, 1024
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
 
-def map_fd(fd: int, size: int) -> mmap.mmap:
-    """Map ``size`` bytes of ``fd`` shared and pre-faulted."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+def map_fd(fd: int, size: int, populate: bool = True) -> mmap.mmap:
+    """Map ``size`` bytes of ``fd`` shared (and pre-faulted, with ``populate``)."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def new_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
-    """A new anonymous memory file of ``size`` bytes and its mapping."""
+def new_memfd(name: str, size: int, populate: bool = True) -> tuple[int, mmap.mmap]:
+    """A new anonymous memory file of ``size`` bytes and its mapping. Without
+    ``populate``, its pages fault in at the first write (a split copy faults them in on
+    several threads at once: :mod:`~rlcomm.comm.transports.bulk_copy`)."""
     fd = os.memfd_create(name, getattr(os, "MFD_CLOEXEC", 0))
     os.ftruncate(fd, size)
-    return fd, map_fd(fd, size)
+    return fd, map_fd(fd, size, populate)
 
 
 def sealed_memfd(name: str, size: int) -> int:
@@ -158,7 +160,7 @@ class SegmentPool:
         ):
             return None
         seg_id = len(self.segments)
-        fd, mm = new_memfd("rlcomm-seg", size)
+        fd, mm = new_memfd("rlcomm-seg", size, populate=False)
         seg = Segment(seg_id, size, mm)
         try:
             # Bounded: the peer reads its socket whenever its ring runs empty.

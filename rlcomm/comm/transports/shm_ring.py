@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlcomm.comm.transports import shm_handover
+from rlcomm.comm.transports import bulk_copy, shm_handover
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
     HEAD,
@@ -183,7 +183,7 @@ class RingWriter:
             if seg is None and n >= SEGMENT_THRESHOLD:
                 seg = self._pool.take(n, deadline)
             if seg is not None:
-                seg.tensor[:n].copy_(t)
+                bulk_copy.copy(seg.tensor[:n], t)
                 self.write(RECORD.pack(SEGMENT, seg.id, n), deadline)
             else:
                 self.write(RECORD.pack(INLINE, 0, n), deadline)
