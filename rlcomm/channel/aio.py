@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from rlcomm.channel import protocol as P
+from rlcomm.channel.prefetch import PREFETCH
+from rlcomm.channel.requests import ChannelRequests
 from rlcomm.comm.options import default_timeout
 from rlcomm.errors import ChannelClosedError
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     from rlcomm.channel.channel import Channel
 
 
-class AsyncChannelOps:
+class AsyncChannelOps(ChannelRequests):
     """The asyncio methods of :class:`~rlcomm.Channel` (a mixin: they use its internals)."""
 
     async def aput(
@@ -37,7 +39,11 @@ class AsyncChannelOps:
         an item already on its way goes back to the head of the key."""
         t = self._timeout(timeout)
         requester = await self._router.arequester(key)
-        return await self._request(requester, P.Get(P.NO_REPLY, key, t), t, True)
+        found, item = requester.take_prefetched(key)
+        if found:
+            return item
+        req = P.Get(P.NO_REPLY, key, t, prefetch=PREFETCH)
+        return await self._request(requester, req, t, True)
 
     async def aget_batch(
         self, target_weight: float, key: P.Key = "default", timeout: float | None = None
@@ -47,8 +53,7 @@ class AsyncChannelOps:
             raise ValueError(f"get_batch: target_weight must be > 0, got {target_weight!r}")
         t = self._timeout(timeout)
         requester = await self._router.arequester(key)
-        req = P.GetBatch(P.NO_REPLY, key, target_weight, t)
-        return await self._request(requester, req, t, True)
+        return await self._get_batch(requester, key, target_weight, t, True)
 
     async def stream(self, key: P.Key = "default", timeout: float | None = None) -> AsyncIterator[Any]:
         """``async for item in channel.stream(key)``: the items of ``key`` until the

@@ -16,10 +16,10 @@ from typing import Any
 from rlcomm.channel import lifecycle, local
 from rlcomm.channel import protocol as P
 from rlcomm.channel.aio import AsyncChannelOps
-from rlcomm.channel.itemtype import check_put, validate_type
+from rlcomm.channel.itemtype import validate_type
 from rlcomm.channel.lifecycle import ChannelInfo
 from rlcomm.channel.local import LocalLink
-from rlcomm.channel.requester import Requester
+from rlcomm.channel.prefetch import PREFETCH
 from rlcomm.channel.routing import REPLY_GRACE, KeyRouter
 from rlcomm.cluster import Cluster
 from rlcomm.comm.options import default_timeout
@@ -47,6 +47,13 @@ class Channel(AsyncChannelOps):
     - ``get`` waits for an item; ``get_batch(target_weight)`` waits until the queued
       items' weights reach ``target_weight`` and returns them in one reply (one round
       trip for many items). Waiting gets are served in arrival order.
+    - Prefetch: on a channel with a worker and ``maxsize=0``, a ``get`` may bring up to
+      32 more small items (no tensors beside them) of its key to its process, when
+      that process is the key's one consumer and no other get waits; the next gets
+      there take them without a round trip (``qsize`` counts them). Items not taken
+      within 50 ms go back to the head of the key. If another consumer got later items
+      of the key meanwhile, it may then get those after them: the one case in which a
+      consumer sees a producer's items out of order.
     - ``close()``: waiting and later puts raise :class:`~rlcomm.ChannelClosedError`;
       gets drain what is queued (a waiting ``get_batch`` gets the rest as a partial
       batch), then raise :class:`~rlcomm.ChannelClosedError`; ``stream()`` ends.
@@ -233,7 +240,11 @@ class Channel(AsyncChannelOps):
             ChannelLostError: the channel worker is gone.
         """
         t = self._timeout(timeout)
-        return self._request(self._router.requester(key), P.Get(P.NO_REPLY, key, t), t, async_op)
+        requester = self._router.requester(key)
+        found, item = requester.take_prefetched(key)
+        if found:
+            return AsyncWork.completed(item, "get") if async_op else item
+        return self._request(requester, P.Get(P.NO_REPLY, key, t, prefetch=PREFETCH), t, async_op)
 
     def get_nowait(self, key: P.Key = "default") -> Any:
         """Take the next item of ``key`` if it holds one now.
@@ -242,8 +253,12 @@ class Channel(AsyncChannelOps):
             ChannelEmpty: the key holds no item.
             ChannelClosedError: the channel is closed and the key drained.
         """
+        requester = self._router.requester(key)
+        found, item = requester.take_prefetched(key)
+        if found:
+            return item
         req = P.Get(P.NO_REPLY, key, None, nowait=True)
-        return self._request(self._router.requester(key), req, default_timeout(), False)
+        return self._request(requester, req, default_timeout(), False)
 
     def get_batch(
         self,
@@ -272,8 +287,7 @@ class Channel(AsyncChannelOps):
         if not target_weight > 0:
             raise ValueError(f"get_batch: target_weight must be > 0, got {target_weight!r}")
         t = self._timeout(timeout)
-        req = P.GetBatch(P.NO_REPLY, key, target_weight, t)
-        return self._request(self._router.requester(key), req, t, async_op)
+        return self._get_batch(self._router.requester(key), key, target_weight, t, async_op)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -282,7 +296,8 @@ class Channel(AsyncChannelOps):
         requester = self._router.requester(key, assign=False)
         if requester is None:
             return 0
-        return self._request(requester, P.QSize(P.NO_REPLY, key), default_timeout(), False)
+        queued = self._request(requester, P.QSize(P.NO_REPLY, key), default_timeout(), False)
+        return queued + requester.prefetched(key)
 
     def empty(self, key: P.Key = "default") -> bool:
         """Whether ``key`` holds no item now."""
@@ -364,34 +379,3 @@ class Channel(AsyncChannelOps):
     def __repr__(self) -> str:
         kind = "local" if self.local else "distributed" if self.distributed else "single"
         return f"Channel({self.name!r}, {kind}, maxsize={self.maxsize})"
-
-    # -- internals --------------------------------------------------------------------------
-
-    def _check_item(self, item: Any, key: P.Key, op: str) -> None:
-        check_put(self.name, self._info.item_type, item, key, op)
-
-    @staticmethod
-    def _timeout(timeout: float | None) -> float:
-        if timeout is None:
-            return default_timeout()
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
-        return float(timeout)
-
-    def _put(self, requester: Requester, req: P.Put, timeout: float, async_op: bool) -> Any:
-        """Encode the put's item (in a channel with a worker) and send it."""
-        req.item, tensors = requester.prepare_item(req.item)
-        return self._request(requester, req, timeout, async_op, tensors)
-
-    def _request(
-        self, requester: Requester, req: P.Request, timeout: float, async_op: bool,
-        tensors: list | None = None,
-    ) -> Any:
-        """Send ``req``; its :class:`~rlcomm.AsyncWork` with ``async_op``, else its result.
-
-        ``timeout`` is the request's own; the work waits :data:`REPLY_GRACE` longer for
-        the worker's answer, then withdraws the request.
-        """
-        work = requester.request(req, timeout + REPLY_GRACE, tensors, not async_op)
-        return work if async_op else work.wait()
-

@@ -14,7 +14,9 @@ every :class:`~rlcomm.Channel` handle and every thread of the process. A link
   (:meth:`~rlcomm.comm.endpoint.Peer.pump`), so its own reply costs no thread hop;
   otherwise (async ops, asyncio) the connection's receiver thread reads them;
 - turns a lost connection (the worker died: the comm layer raises ``PeerLostError``)
-  into :class:`~rlcomm.ChannelLostError` for every waiting and every later request.
+  into :class:`~rlcomm.ChannelLostError` for every waiting and every later request;
+- keeps the small items its gets took ahead (:mod:`~rlcomm.channel.prefetch`), first
+  in line for this process's next gets of their key.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from rlcomm.channel import protocol as P
 from rlcomm.channel.outbox import Outbox
 from rlcomm.channel.payload import StoredItem, TensorCursor, encode_item
+from rlcomm.channel.prefetch import Ahead
 from rlcomm.channel.requester import Entry, Requester
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.endpoint import Endpoint
@@ -72,6 +75,7 @@ class Link(Requester):
                 f"channel {channel!r}: cannot reach its channel worker {self.address}: {exc}"
             ) from exc
         self._outbox = Outbox(self._send, self.fail)
+        self.ahead = Ahead(self._give_back)
 
     def _post(self, entries: list[Entry], inline: bool) -> None:
         self._outbox.post(entries, inline)
@@ -94,6 +98,24 @@ class Link(Requester):
     def _give_back(self, key: P.Key, items: list[StoredItem], weights: list[float]) -> None:
         self.post_oneway(P.Requeue(key, [i.payload for i in items], list(weights)),
                          [t for i in items for t in i.tensors])
+
+    # -- items taken ahead (prefetch, :mod:`~rlcomm.channel.prefetch`) -------------------------
+
+    def _stash(self, key: P.Key, items: list[StoredItem], weights: list[float]) -> None:
+        self.ahead.stash(key, items, weights)
+
+    def take_prefetched(self, key: P.Key) -> tuple[bool, Any]:
+        item = self.ahead.take(key)
+        return (False, None) if item is None else (True, item.decode())
+
+    def prefetched(self, key: P.Key) -> int:
+        return self.ahead.count(key)
+
+    def prefetched_upto(self, key: P.Key, weight: float) -> list[tuple[StoredItem, float]]:
+        return self.ahead.take_upto(key, weight)
+
+    def unget(self, key: P.Key, entries: list[tuple[StoredItem, float]]) -> None:
+        self.ahead.unget(key, entries)
 
     def _on_message(self, data: bytes, tensors: list[torch.Tensor]) -> None:
         # Runs on the one thread that reads the connection, in order.
@@ -158,3 +180,4 @@ def drop_links(group_name: str, incarnation: str, cause: BaseException) -> None:
         links = [_links.pop(k) for k in keys]
     for link in links:
         link.lose(cause)
+

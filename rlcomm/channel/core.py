@@ -33,13 +33,16 @@ class ChannelCore:
         deliver: called outside the lock with the replies due to each client, in order.
         view: turns a stored item into what :meth:`peek` shows (a channel worker stores
             encoded items); ``None``: the item itself.
+        prefetchable: which stored items a get may take ahead for its process
+            (:class:`~rlcomm.channel.state.ChannelState`); ``None``: none.
     """
 
     def __init__(self, name: str, maxsize: int, deliver: Deliver,
-                 view: Callable[[Any], Any] | None = None):
+                 view: Callable[[Any], Any] | None = None,
+                 prefetchable: Callable[[Any], bool] | None = None):
         self.name = name
         self._view = view
-        self._state = ChannelState(name, maxsize)
+        self._state = ChannelState(name, maxsize, prefetchable)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._deliver = deliver

@@ -41,6 +41,11 @@ class StoredItem:
         self.tensors = tensors
         self.taken = False
 
+    def is_small(self) -> bool:
+        """Whether the item rides in the frame (no tensors beside it): one a get may
+        take ahead for its process (prefetch)."""
+        return not self.tensors
+
     @property
     def nbytes(self) -> int:
         return len(self.payload.data) + sum(t.numel() * t.element_size() for t in self.tensors)

@@ -87,12 +87,16 @@ class Put(msgspec.Struct, tag="put", array_like=True, gc=False):
 
 
 class Get(msgspec.Struct, tag="get", array_like=True, gc=False):
-    """Take the next item of ``key`` (``nowait``: answer ``EMPTY`` rather than park)."""
+    """Take the next item of ``key`` (``nowait``: answer ``EMPTY`` rather than park).
+
+    ``prefetch``: up to this many more small items of the key may come in the same
+    :class:`Got`, for the client's next gets (see :mod:`~rlcomm.channel.state`)."""
 
     rid: int
     key: Key
     timeout: float | None
     nowait: bool = False
+    prefetch: int = 0
 
 
 class GetBatch(msgspec.Struct, tag="get_batch", array_like=True, gc=False):

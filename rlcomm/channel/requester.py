@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rlcomm.channel import protocol as P
-from rlcomm.comm.work import AsyncWork
+from rlcomm.channel.handle import ITEMS, ONE_ITEM, VALUE, Pending, RequestWork
 from rlcomm.errors import (
     ChannelClosedError,
     ChannelEmpty,
@@ -44,104 +44,6 @@ logger = logging.getLogger(__name__)
 #: A request to send and the tensors of its items (in the order its payloads own them).
 Entry = tuple[P.Request, list[torch.Tensor]]
 
-_NONE, _ONE, _MANY, _VALUE = range(4)  # what a request's OK reply resolves to
-_RESULTS = {P.Put: _NONE, P.Close: _NONE, P.Get: _ONE, P.GetBatch: _MANY, P.QSize: _VALUE,
-            P.Route: _VALUE}
-
-
-class Description:
-    """Names a request of a channel in messages (formatted only when one is written)."""
-
-    __slots__ = ("channel", "req")
-
-    def __init__(self, channel: str, req: P.Request):
-        self.channel = channel
-        self.req = req
-
-    def __str__(self) -> str:
-        key = getattr(self.req, "key", "")
-        return f"channel {self.channel!r}: {P.op_name(self.req)} on key {key!r}"
-
-
-class _Pending:
-    """A request waiting for its reply, and then its outcome.
-
-    ``future`` is made only when someone needs one (see :class:`RequestWork`); until then
-    a reply just records ``value`` or ``error`` and sets ``settled``.
-    """
-
-    __slots__ = ("req", "result", "future", "settled", "value", "error")
-
-    def __init__(self, req: P.Request, future: concurrent.futures.Future | None):
-        self.req = req
-        self.result = _RESULTS[type(req)]
-        self.future = future
-        self.settled = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    @property
-    def key(self) -> P.Key:
-        return getattr(self.req, "key", "")
-
-    @property
-    def timeout(self) -> float | None:
-        return getattr(self.req, "timeout", None)
-
-    @property
-    def op(self) -> str:
-        return P.op_name(self.req)
-
-
-class RequestWork(AsyncWork):
-    """The :class:`~rlcomm.AsyncWork` of one channel request.
-
-    Its future is made on first need: a ``wait`` that has to block, ``async_wait``,
-    ``future``. A request whose reply came before anyone waited (the usual case for a
-    stream of ``put(async_op=True)``) costs no future and no condition variable: ``wait``
-    and ``done`` read its outcome directly. Abandoning a wait that had to block (a
-    timeout, an interrupt, a cancelled task) withdraws the request, as for any
-    cancellable work.
-    """
-
-    def __init__(self, requester: Requester, pending: _Pending, timeout: float, inline: bool):
-        # AsyncWork's fields, set directly: this runs once per request.
-        self._requester = requester
-        self._pending = pending
-        self._future = pending.future
-        self._timeout = timeout
-        self._waiter = requester.wait_reply if inline else None
-        self._cancellable = True
-        self._on_cancel = None
-
-    @property
-    def _description(self) -> Description:  # type: ignore[override]
-        return Description(self._requester.channel, self._pending.req)
-
-    def _result_future(self) -> concurrent.futures.Future:
-        fut = self._future
-        if fut is None:
-            fut = self._future = self._requester._future_of(self._pending)
-        return fut
-
-    def wait(self, timeout: float | None = None) -> Any:
-        p = self._pending
-        if p.settled:
-            if p.error is not None:
-                raise p.error
-            return p.value
-        return super().wait(timeout)
-
-    def done(self) -> bool:
-        if self._pending.settled:
-            return True
-        fut = self._future
-        return fut is not None and fut.done()
-
-    def _abandon(self) -> None:
-        fut = self._future
-        if fut is not None and fut.cancel():
-            self._requester._withdraw(self._pending)
 
 
 class Requester:
@@ -158,7 +60,7 @@ class Requester:
         self.maxsize = maxsize
         self.where = where
         self._lock = threading.Lock()
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._rids = itertools.count()
         self._lost: BaseException | None = None
 
@@ -184,6 +86,28 @@ class Requester:
         """Items that reached a request no one waits for go back to the head of ``key``."""
         raise NotImplementedError
 
+    def _stash(self, key: P.Key, items: list[Any], weights: list[float]) -> None:
+        """Keep items a get took ahead (prefetch) for this process's next gets of ``key``."""
+        self._give_back(key, items, weights)
+
+    def take_prefetched(self, key: P.Key) -> tuple[bool, Any]:
+        """``(True, item)``: the next item of ``key`` taken ahead by an earlier get of
+        this process; ``(False, None)`` when there is none."""
+        return False, None
+
+    def prefetched(self, key: P.Key) -> int:
+        """How many items of ``key`` this process holds taken ahead."""
+        return 0
+
+    def prefetched_upto(self, key: P.Key, weight: float) -> list[tuple[Any, float]]:
+        """Items of ``key`` taken ahead, from the head until their weights reach
+        ``weight``, with their weights (for a ``get_batch``)."""
+        return []
+
+    def unget(self, key: P.Key, entries: list[tuple[Any, float]]) -> None:
+        """Put back items :meth:`prefetched_upto` took, ahead of the key."""
+
+
     # -- requests -------------------------------------------------------------------------------
 
     def request(
@@ -203,7 +127,7 @@ class Requester:
         rid = req.rid = next(self._rids)  # type: ignore[union-attr]
         # A blocking caller waits at once (and reads its own reply: wait_reply), so its
         # future is made now; an async op's only when someone waits for it unanswered.
-        pending = _Pending(req, concurrent.futures.Future() if inline else None)
+        pending = Pending(req, concurrent.futures.Future() if inline else None)
         with self._lock:
             if self._lost is not None:
                 raise self._lost_error(pending.op, pending.key)
@@ -221,7 +145,7 @@ class Requester:
         done, _ = concurrent.futures.wait([fut], timeout)
         return bool(done)
 
-    def _future_of(self, p: _Pending) -> concurrent.futures.Future:
+    def _future_of(self, p: Pending) -> concurrent.futures.Future:
         """The future of ``p``, made now if it has none (completed at once if settled)."""
         with self._lock:
             fut = p.future
@@ -236,7 +160,7 @@ class Requester:
                 fut.set_result(p.value)
         return fut
 
-    def _withdraw(self, p: _Pending) -> None:
+    def _withdraw(self, p: Pending) -> None:
         rid = P.rid_of(p.req)
         with self._lock:
             still_pending = rid in self._pending
@@ -256,7 +180,7 @@ class Requester:
         if p is None:
             logger.warning("channel %r: a reply for unknown request %s", self.channel, rid)
             return
-        got_items = status == P.OK and p.result in (_ONE, _MANY)
+        got_items = status == P.OK and p.result in (ONE_ITEM, ITEMS)
         fut = p.future
         if fut is not None and fut.cancelled():
             if got_items:
@@ -268,11 +192,14 @@ class Requester:
             error = self._error(p, status, text)
         else:
             try:
-                if p.result == _ONE:
+                if p.result == ONE_ITEM:
+                    if len(value) > 1:  # items taken ahead: first in line for next gets
+                        self._stash(p.key, value[1:], (weights or [])[1:])
+                        value, weights = value[:1], (weights or [])[:1]
                     result = self._decode(value[0])
-                elif p.result == _MANY:
+                elif p.result == ITEMS:
                     result = [self._decode(item) for item in value]
-                elif p.result == _VALUE:
+                elif p.result == VALUE:
                     result = value
             except Exception as exc:  # noqa: BLE001 - the consumer cannot decode: its error
                 error = exc
@@ -302,7 +229,7 @@ class Requester:
         if unknown:
             logger.warning("channel %r: %d replies for unknown requests", self.channel, unknown)
 
-    def _settle(self, p: _Pending, result: Any, error: BaseException | None) -> bool:
+    def _settle(self, p: Pending, result: Any, error: BaseException | None) -> bool:
         """Record the outcome of ``p``; False if its future was cancelled meanwhile."""
         with self._lock:
             fut = p.future
@@ -318,9 +245,9 @@ class Requester:
             return False
         return True
 
-    def _error(self, p: _Pending, status: int, text: str) -> BaseException:
+    def _error(self, p: Pending, status: int, text: str) -> BaseException:
         where = f"channel {self.channel!r}: {p.op} on key {p.key!r}"
-        is_get = p.result in (_ONE, _MANY)
+        is_get = p.result in (ONE_ITEM, ITEMS)
         if status == P.FULL:
             return ChannelFull(f"{where}: the key holds maxsize={self.maxsize} items")
         if status == P.EMPTY:

@@ -120,7 +120,8 @@ class ChannelService:
         self._channel_name = channel_name
         self._where = where
         self._endpoint = Endpoint.current()
-        self.core = ChannelCore(channel_name, maxsize, self._deliver, StoredItem.decode)
+        self.core = ChannelCore(channel_name, maxsize, self._deliver, StoredItem.decode,
+                                StoredItem.is_small)
         self._lock = threading.Lock()
         self._selector = PeerSelector(f"rlcomm-channel-{channel_name}")
         self._listening: dict[WorkerAddress, Peer | None] = {}

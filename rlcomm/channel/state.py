@@ -25,6 +25,15 @@ Rules (the channel's documented semantics live here):
   answered ``CLOSED``.
 - A request that reaches its deadline while parked is answered ``TIMEOUT``; a timed-out
   put was not enqueued and a timed-out get took nothing.
+- *Prefetch*: a ``get`` may ask for up to ``prefetch`` more items in its reply, for its
+  process's next gets. It gets them only from an unbounded channel (``maxsize`` 0: a
+  bound is a promise about how far producers may run ahead, and lent items would break
+  it), only items the owner calls small (``prefetchable``), only while no other get
+  waits on the key behind it, and only while it is the key's one consumer (no other
+  client took items of the key for :data:`SHARED_SECONDS`), so that every consumer
+  still gets each producer's items in order. The client keeps them in order ahead of
+  the key, and puts back what it did not take soon (``Requeue``), so items lent to a
+  process that stopped getting go on to others.
 """
 
 from __future__ import annotations
@@ -32,13 +41,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from rlcomm.channel import protocol as P
+from rlcomm.channel.keyqueue import KeyQueue, Waiter
 from rlcomm.channel.protocol import Status
 
 _GET, _GET_NOWAIT, _GET_BATCH, _PUT, _PUT_NOWAIT = range(5)
+#: Seconds a key counts as shared by several consumers after two took items in a row.
+SHARED_SECONDS = 1.0
 _PUT_OPS = (_PUT, _PUT_NOWAIT)
 
 
@@ -61,52 +73,6 @@ class Delivery(NamedTuple):
     key: P.Key | None = None
 
 
-class _Waiter:
-    """A parked request."""
-
-    __slots__ = ("client", "rid", "op", "key", "arg", "item", "deadline", "done")
-
-    def __init__(
-        self, client: Hashable, rid: int, op: int, key: P.Key, arg: Any, item: Any, deadline: float
-    ):
-        self.client = client
-        self.rid = rid
-        self.op = op
-        self.key = key
-        self.arg = arg
-        self.item = item
-        self.deadline = deadline
-        self.done = False
-
-
-class _KeyQueue:
-    """The items of one key and the requests parked on it."""
-
-    __slots__ = ("items", "weights", "weight", "getters", "putters", "puts", "gets")
-
-    def __init__(self) -> None:
-        self.items: deque[Any] = deque()
-        self.weights: deque[float] = deque()
-        self.weight: float = 0
-        self.getters: deque[_Waiter] = deque()
-        self.putters: deque[_Waiter] = deque()
-        self.puts = 0  # items accepted, ever
-        self.gets = 0  # items handed out, ever
-
-    def push(self, item: Any, weight: float) -> None:
-        self.items.append(item)
-        self.weights.append(weight)
-        self.weight += weight
-        self.puts += 1
-
-    def pop(self, n: int) -> tuple[list[Any], list[float]]:
-        items = [self.items.popleft() for _ in range(n)]
-        weights = [self.weights.popleft() for _ in range(n)]
-        self.weight = self.weight - sum(weights) if self.items else 0
-        self.gets += n
-        return items, weights
-
-
 class ChannelState:
     """The queues of one channel worker (see the module docstring). Not thread-safe.
 
@@ -115,13 +81,17 @@ class ChannelState:
         maxsize: items per key; 0 for unbounded.
     """
 
-    def __init__(self, name: str, maxsize: int):
+    def __init__(self, name: str, maxsize: int,
+                 prefetchable: Callable[[Any], bool] | None = None):
         self.name = name
         self.maxsize = maxsize
+        #: Which stored items a get may take ahead (None: none; see the module docstring).
+        self._prefetchable = prefetchable if maxsize == 0 else None
+        self._now = 0.0  # the time of the request being applied
         self.closed = False
-        self._keys: dict[P.Key, _KeyQueue] = {}
-        self._parked: dict[tuple[Hashable, int], _Waiter] = {}
-        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._keys: dict[P.Key, KeyQueue] = {}
+        self._parked: dict[tuple[Hashable, int], Waiter] = {}
+        self._deadlines: list[tuple[float, int, Waiter]] = []
         self._seq = itertools.count()
 
     # -- queries ------------------------------------------------------------------------
@@ -159,13 +129,14 @@ class ChannelState:
     def handle(self, client: Hashable, req: P.Request, now: float, out: list[Delivery]) -> None:
         """Apply one request (a :data:`~rlcomm.channel.protocol.Request` whose items are
         whatever this state's owner stores); append the replies it causes to ``out``."""
+        self._now = now
         tp = type(req)
         if tp is P.Put:
             op = _PUT_NOWAIT if req.nowait else _PUT
             self._put(client, op, req.rid, req.key, req.weight, req.timeout, req.item, now, out)
         elif tp is P.Get:
             op = _GET_NOWAIT if req.nowait else _GET
-            self._get(client, op, req.rid, req.key, None, req.timeout, now, out)
+            self._get(client, op, req.rid, req.key, req.prefetch, req.timeout, now, out)
         elif tp is P.GetBatch:
             self._get(client, _GET_BATCH, req.rid, req.key, req.target, req.timeout, now, out)
         elif tp is P.QSize:
@@ -195,7 +166,7 @@ class ChannelState:
             if op == _PUT_NOWAIT:
                 out.append(Delivery(client, rid, P.FULL))
             else:
-                self._park(kq.putters, _Waiter(client, rid, op, key, weight, item,
+                self._park(kq.putters, Waiter(client, rid, op, key, weight, item,
                                                self._deadline(now, timeout)))
             return
         kq.push(item, weight)
@@ -216,12 +187,12 @@ class ChannelState:
                 out.append(Delivery(client, rid, status))
             return
         if not kq.getters:
-            n = self._take(kq, op, target)
+            n = self._take(kq, op, target, True, client)
             if n is not None:
                 self._answer(client, rid, op, key, kq, n, out)
                 self._serve(key, kq, out)
                 return
-        self._park(kq.getters, _Waiter(client, rid, op, key, target, None,
+        self._park(kq.getters, Waiter(client, rid, op, key, target, None,
                                        self._deadline(now, timeout)))
 
     def close(self, out: list[Delivery]) -> None:
@@ -274,6 +245,7 @@ class ChannelState:
 
     def expire(self, now: float, out: list[Delivery]) -> None:
         """Answer ``TIMEOUT`` to every parked request whose deadline is past."""
+        self._now = now
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, w = heapq.heappop(self._deadlines)
             if w.done:
@@ -286,32 +258,40 @@ class ChannelState:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _key(self, key: P.Key) -> _KeyQueue:
+    def _key(self, key: P.Key) -> KeyQueue:
         kq = self._keys.get(key)
         if kq is None:
-            kq = self._keys[key] = _KeyQueue()
+            kq = self._keys[key] = KeyQueue()
         return kq
 
-    def _full(self, kq: _KeyQueue) -> bool:
+    def _full(self, kq: KeyQueue) -> bool:
         return 0 < self.maxsize <= len(kq.items)
 
     def _deadline(self, now: float, timeout: float | None) -> float:
         return float("inf") if timeout is None else now + timeout
 
-    def _park(self, queue: deque[_Waiter], w: _Waiter) -> None:
+    def _park(self, queue: deque[Waiter], w: Waiter) -> None:
         queue.append(w)
         self._parked[(w.client, w.rid)] = w
         if w.deadline != float("inf"):
             heapq.heappush(self._deadlines, (w.deadline, next(self._seq), w))
 
-    def _finish(self, w: _Waiter) -> None:
+    def _finish(self, w: Waiter) -> None:
         w.done = True
         self._parked.pop((w.client, w.rid), None)
 
-    def _take(self, kq: _KeyQueue, op: int, target: Any) -> int | None:
-        """How many items a get may take now (0: answer CLOSED), or None to wait."""
+    def _take(self, kq: KeyQueue, op: int, target: Any, alone: bool = True,
+              client: Hashable = None) -> int | None:
+        """How many items a get may take now (0: answer CLOSED), or None to wait.
+        ``target``: a get_batch's weight, a get's prefetch; ``alone``: no other get waits
+        on the key behind this one; ``client``: the getter."""
         if op != _GET_BATCH:
-            return 1 if kq.items else (0 if self.closed else None)
+            if not kq.items:
+                return 0 if self.closed else None
+            if (target and alone and self._now >= kq.shared_until
+                    and (kq.taker is None or kq.taker == client)):
+                return 1 + self._ahead(kq, target)
+            return 1
         if kq.items and kq.weight >= target:
             acc, n = 0, 0
             for w in kq.weights:
@@ -323,8 +303,20 @@ class ChannelState:
             return len(kq.items)  # a partial batch: the key cannot grow past this
         return 0 if self.closed else None
 
+    def _ahead(self, kq: KeyQueue, most: int) -> int:
+        """How many items after the head a get may take ahead (at most ``most``)."""
+        ok = self._prefetchable
+        if ok is None:
+            return 0
+        n = 0
+        for i in range(1, min(len(kq.items), most + 1)):
+            if not ok(kq.items[i]):
+                break
+            n += 1
+        return n
+
     def _answer(
-        self, client: Hashable, rid: int, op: int, key: P.Key, kq: _KeyQueue, n: int,
+        self, client: Hashable, rid: int, op: int, key: P.Key, kq: KeyQueue, n: int,
         out: list[Delivery],
     ) -> None:
         if n == 0:
@@ -333,20 +325,24 @@ class ChannelState:
             self._reply_items(client, rid, op, key, kq, n, out)
 
     def _reply_items(
-        self, client: Hashable, rid: int, op: int, key: P.Key, kq: _KeyQueue, n: int,
+        self, client: Hashable, rid: int, op: int, key: P.Key, kq: KeyQueue, n: int,
         out: list[Delivery],
     ) -> None:
         items, weights = kq.pop(n)
+        if kq.taker != client:
+            if kq.taker is not None:  # a second consumer: the key is shared for a while
+                kq.shared_until = self._now + SHARED_SECONDS
+            kq.taker = client
         out.append(Delivery(client, rid, P.OK, items, weights, key))
 
-    def _serve(self, key: P.Key, kq: _KeyQueue, out: list[Delivery]) -> None:
+    def _serve(self, key: P.Key, kq: KeyQueue, out: list[Delivery]) -> None:
         """Answer parked requests of ``key`` in order for as long as its state allows."""
         progress = True
         while progress:
             progress = False
             while kq.getters:
                 w = kq.getters[0]
-                n = self._take(kq, w.op, w.arg)
+                n = self._take(kq, w.op, w.arg, len(kq.getters) == 1, w.client)
                 if n is None:
                     break
                 kq.getters.popleft()

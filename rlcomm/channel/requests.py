@@ -1,0 +1,69 @@
+"""How a :class:`~rlcomm.Channel` handle sends its requests: the checks of a put, the
+timeouts, a request and its :class:`~rlcomm.AsyncWork`, and a ``get_batch`` that takes
+the items this process took ahead first (:mod:`~rlcomm.channel.prefetch`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlcomm.channel import protocol as P
+from rlcomm.channel.itemtype import check_put
+from rlcomm.channel.prefetch import batch_with
+from rlcomm.channel.requester import Requester
+from rlcomm.channel.routing import REPLY_GRACE
+from rlcomm.comm.options import default_timeout
+from rlcomm.comm.work import AsyncWork
+
+
+class ChannelRequests:
+    """The request-sending internals of :class:`~rlcomm.Channel` (a base class: they use
+    its ``name`` and ``_info``)."""
+
+    name: str
+    _info: Any
+
+    def _check_item(self, item: Any, key: P.Key, op: str) -> None:
+        check_put(self.name, self._info.item_type, item, key, op)
+
+    @staticmethod
+    def _timeout(timeout: float | None) -> float:
+        if timeout is None:
+            return default_timeout()
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+        return float(timeout)
+
+    def _get_batch(self, requester: Requester, key: P.Key, target: float, timeout: float,
+                   async_op: bool) -> Any:
+        """A get_batch: the items this process took ahead first, then the worker's."""
+        local = requester.prefetched_upto(key, target)
+        have = sum(w for _, w in local)
+        if local and have >= target:
+            items = [i.decode() for i, _ in local]
+            return AsyncWork.completed(items, "get_batch") if async_op else items
+        req = P.GetBatch(P.NO_REPLY, key, target - have, timeout)
+        work = self._request(requester, req, timeout, bool(local) or async_op)
+        if local:
+            work = batch_with(local, work, lambda e: requester.unget(key, e),
+                              f"channel {self.name!r}: get_batch on key {key!r}",
+                              timeout + REPLY_GRACE)
+            return work if async_op else work.wait()
+        return work
+
+    def _put(self, requester: Requester, req: P.Put, timeout: float, async_op: bool) -> Any:
+        """Encode the put's item (in a channel with a worker) and send it."""
+        req.item, tensors = requester.prepare_item(req.item)
+        return self._request(requester, req, timeout, async_op, tensors)
+
+    def _request(
+        self, requester: Requester, req: P.Request, timeout: float, async_op: bool,
+        tensors: list | None = None,
+    ) -> Any:
+        """Send ``req``; its :class:`~rlcomm.AsyncWork` with ``async_op``, else its result.
+
+        ``timeout`` is the request's own; the work waits :data:`REPLY_GRACE` longer for
+        the worker's answer, then withdraws the request.
+        """
+        work = requester.request(req, timeout + REPLY_GRACE, tensors, not async_op)
+        return work if async_op else work.wait()
+
