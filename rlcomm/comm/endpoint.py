@@ -14,8 +14,8 @@ changes, only this file is adapted.
   is read by the thread that waits for it;
 - :class:`PeerSelector` reads many listened peers on one thread.
 
-Today a message travels as a codec ``TENSOR_LIST`` of its tensors with the frame as the
-header's piggyback (see :mod:`rlcomm.comm.codec`).
+A message travels as a codec ``FRAMED`` message: its tensors, and the frame bytes in the
+header, never pickled (see :mod:`rlcomm.comm.codec`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def encode_message(frame: bytes, tensors: list[torch.Tensor]) -> tuple[MessageHe
     Raises:
         CodecError: the tensors mix CPU and CUDA, or one cannot be sent.
     """
-    return codec.encode(tensors, piggyback=frame)
+    return codec.encode_framed(frame, tensors)
 
 
 class Peer:

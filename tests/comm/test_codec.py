@@ -275,6 +275,22 @@ def test_large_bytes_travel_as_their_content_without_a_copy():
         decode(header, [])
 
 
+def test_a_framed_message_carries_its_frame_unpickled():
+    frame = b"\x93\x01\x02\x03 a component's msgspec frame"
+    ts = [torch.arange(6, dtype=torch.int32), torch.ones(2, 2)]
+    header, tensors = codec.encode_framed(frame, ts)
+    assert header.kind == Kind.FRAMED and header.piggyback == frame  # as it is: no pickle
+    received = header_from_bytes(header_to_bytes(header))
+    out, got_frame = decode(received, [t.clone() for t in tensors])
+    assert got_frame == frame and all(torch.equal(a, b) for a, b in zip(out, ts, strict=True))
+    assert decode(*codec.encode_framed(b"", [])) == ([], b"")
+    with pytest.raises(CodecError, match="must be bytes"):
+        codec.encode_framed("text", [])
+    forged = MessageHeader(Kind.FRAMED, [], None, None)
+    with pytest.raises(CodecError, match="carries no frame"):
+        decode(forged, [])
+
+
 def _address_of(data: bytes) -> int:
     import ctypes
 

@@ -17,6 +17,10 @@ allocates buffers with :func:`empty_like_meta`, receives into them and calls :fu
   travels as its content, kind ``BYTES``: the sender copies nothing, the receiver copies
   it once into the new ``bytes``.
 
+- a component's message (a channel's) is kind ``FRAMED``: its tensors, and its own
+  frame bytes in the header, which the codec never unpickles
+  (:func:`~rlcomm.comm.codec.message.encode_framed`).
+
 A message may carry zero tensors (an empty list or dict, a dataclass without tensors).
 
 *Strict mode* (:func:`set_strict_mode`, or ``RLCOMM_STRICT=1`` in the environment when
@@ -40,7 +44,7 @@ from rlcomm.comm.codec.header import (
     header_from_bytes,
     header_to_bytes,
 )
-from rlcomm.comm.codec.message import decode, encode, encode_raw
+from rlcomm.comm.codec.message import decode, encode, encode_framed, encode_raw
 from rlcomm.comm.codec.pickling import PICKLE_PROTOCOL, set_strict_mode, strict_mode
 from rlcomm.comm.codec.tensors import as_bytes, empty_like_meta, meta_of
 
@@ -59,6 +63,7 @@ __all__ = [
     "dtype_of",
     "empty_like_meta",
     "encode",
+    "encode_framed",
     "encode_raw",
     "header_from_bytes",
     "header_to_bytes",

@@ -46,6 +46,7 @@ class Kind(IntEnum):
     OBJECT = 4  #: anything else, pickled into one ``uint8`` CPU tensor
     RAW = 5  #: one tensor for ``send_tensor``/``recv_tensor``; the header is not sent
     BYTES = 6  #: a large ``bytes`` object, its content as one ``uint8`` CPU tensor
+    FRAMED = 7  #: tensors and a component's own frame bytes (in ``piggyback``; no pickle)
 
 
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -77,6 +77,23 @@ def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.T
     return MessageHeader(Kind.OBJECT, [meta], None, pb), [_bytes_view(data)]
 
 
+def encode_framed(frame: bytes, tensors: list[torch.Tensor]) -> tuple[MessageHeader, list[torch.Tensor]]:
+    """The header (kind ``FRAMED``) and sendable tensors of a component's message: its
+    own ``frame`` bytes (a msgspec frame, say) and ``tensors``. Nothing is pickled:
+    :func:`decode` returns ``(tensors, frame)``.
+
+    Raises:
+        CodecError: the tensors mix CPU and CUDA, or one cannot be sent.
+    """
+    if type(frame) is not bytes:
+        raise CodecError(f"a frame must be bytes, got {type(frame).__qualname__}")
+    pairs = [prepare(t) for t in tensors]
+    metas = [m for m, _ in pairs]
+    if len(metas) > 1:
+        check_one_device(metas, lambda i: f"tensors[{i}]")
+    return MessageHeader(Kind.FRAMED, metas, None, frame), [t for _, t in pairs]
+
+
 def encode_raw(tensor: torch.Tensor) -> tuple[MessageHeader, list[torch.Tensor]]:
     """The header (kind ``RAW``) and sendable form of one tensor, for ``send_tensor``."""
     if not isinstance(tensor, torch.Tensor):
@@ -103,6 +120,10 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
             f"a {Kind(kind).name} message declaring {n} tensors cannot be decoded "
             f"with {len(tensors)} tensors"
         )
+    if kind == Kind.FRAMED:
+        if header.piggyback is None or header.structure is not None:
+            raise CodecError("a FRAMED message carries no frame")
+        return list(tensors), header.piggyback
     if kind == Kind.TENSOR or kind == Kind.RAW:
         obj: Any = tensors[0]
     elif kind == Kind.TENSOR_LIST:
