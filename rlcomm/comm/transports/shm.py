@@ -377,7 +377,7 @@ class ShmTransport(Transport):
 
     def _pinned(self) -> int:
         """How many of the peer's segments are in flight to, or held by, this side."""
-        return int(self._in.states[: len(self._peer_segments)].sum())
+        return int(np.count_nonzero(self._in.states[: len(self._peer_segments)]))
 
     def close(self) -> None:
         self._closed = True

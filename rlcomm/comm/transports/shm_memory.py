@@ -152,7 +152,7 @@ class SegmentPool:
         return best
 
     def _grow(self, size: int, deadline: float) -> Segment | None:
-        in_use = int(self._states[: len(self.segments)].sum())
+        in_use = int(np.count_nonzero(self._states[: len(self.segments)]))
         if (
             in_use >= self._max_in_flight
             or self._bytes + size > POOL_BYTES
