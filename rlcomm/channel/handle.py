@@ -91,7 +91,7 @@ class RequestWork(AsyncWork):
     def _result_future(self) -> concurrent.futures.Future:
         fut = self._future
         if fut is None:
-            fut = self._future = self._requester._future_of(self._pending)
+            fut = self._future = self._requester.future_of(self._pending)
         return fut
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -111,7 +111,7 @@ class RequestWork(AsyncWork):
     def _abandon(self) -> None:
         fut = self._future
         if fut is not None and fut.cancel():
-            self._requester._withdraw(self._pending)
+            self._requester.withdraw_request(self._pending)
 
     def withdraw(self) -> None:
         """Cancel the request, as an abandoned wait does (no-op once it completed)."""

@@ -145,7 +145,7 @@ class Requester:
         done, _ = concurrent.futures.wait([fut], timeout)
         return bool(done)
 
-    def _future_of(self, p: Pending) -> concurrent.futures.Future:
+    def future_of(self, p: Pending) -> concurrent.futures.Future:
         """The future of ``p``, made now if it has none (completed at once if settled)."""
         with self._lock:
             fut = p.future
@@ -160,7 +160,7 @@ class Requester:
                 fut.set_result(p.value)
         return fut
 
-    def _withdraw(self, p: Pending) -> None:
+    def withdraw_request(self, p: Pending) -> None:
         rid = P.rid_of(p.req)
         with self._lock:
             still_pending = rid in self._pending

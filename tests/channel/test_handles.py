@@ -78,3 +78,15 @@ def test_async_work_waiter_and_cancellable_are_opt_in():
     withdrawn: concurrent.futures.Future = concurrent.futures.Future()
     asyncio.run(abandon(AsyncWork(withdrawn, "op", cancellable=True)))
     assert withdrawn.cancelled()
+
+
+def test_an_answered_async_put_makes_no_future_until_asked(channel):
+    works = [channel.put(i, async_op=True) for i in range(3)]
+    assert all(w.done() and w._future is None for w in works)  # answered before any wait
+    assert [w.wait(5) for w in works] == [None, None, None]
+    assert works[0].future.done() and works[0].future.result() is None  # made on demand
+    assert [channel.get(timeout=5) for _ in range(3)] == [0, 1, 2]
+    full = [channel.put(i, async_op=True) for i in range(5)]  # maxsize=4: the last parks
+    assert full[3].done() and not full[4].done()
+    channel.get(timeout=5)
+    assert full[4].wait(5) is None
