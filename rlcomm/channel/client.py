@@ -75,7 +75,7 @@ class Link(Requester):
                 f"channel {channel!r}: cannot reach its channel worker {self.address}: {exc}"
             ) from exc
         self._outbox = Outbox(self._send, self.fail)
-        self.ahead = Ahead(self._give_back)
+        self.ahead = Ahead(self._give_back, lambda: self.lost)
 
     def _post(self, entries: list[Entry], inline: bool) -> None:
         self._outbox.post(entries, inline)
@@ -180,4 +180,3 @@ def drop_links(group_name: str, incarnation: str, cause: BaseException) -> None:
         links = [_links.pop(k) for k in keys]
     for link in links:
         link.lose(cause)
-

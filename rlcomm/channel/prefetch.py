@@ -47,10 +47,14 @@ class Ahead:
 
     Args:
         give_back: posts a ``Requeue`` of items (never sends from the calling thread).
+        lost: whether the channel worker is gone (items are then kept for this
+            process's gets: nowhere to give them back to).
     """
 
-    def __init__(self, give_back: Callable[[P.Key, list[StoredItem], list[float]], None]):
+    def __init__(self, give_back: Callable[[P.Key, list[StoredItem], list[float]], None],
+                 lost: Callable[[], bool]):
         self._give_back = give_back
+        self._lost = lost
         self._lock = threading.Lock()
         self._queues: dict[P.Key, deque[Entry]] = {}
         self._used: dict[P.Key, float] = {}  # when a get last stashed or took, per key
@@ -100,7 +104,10 @@ class Ahead:
 
     def return_stale(self, now: float) -> bool:
         """Give back the items of keys no get used for :data:`PREFETCH_LINGER` seconds;
-        True while some are still held."""
+        True while some are still held (False once the worker is gone: no one to give
+        them back to, so the process's gets keep them)."""
+        if self._lost():
+            return False
         with self._lock:
             # Posted under the lock: a get that finds the key empty afterwards posts its
             # request behind the Requeue, so the items are back at the head first.
@@ -116,9 +123,10 @@ def batch_with(
     description: str, timeout: float,
 ) -> AsyncWork:
     """A ``get_batch``'s work: the items taken ahead (``local``), then what the worker's
-    ``remote`` reply brings (a :class:`~rlcomm.channel.requester.RequestWork`). If the channel is closed and drained, the local items are
-    the (partial) batch; if the request fails otherwise or is withdrawn, they go back
-    ahead of the key (``give_back``) and the error is raised."""
+    reply to ``remote`` (a :class:`~rlcomm.channel.handle.RequestWork`) brings. If the
+    channel is closed and drained, the local items are the (partial) batch; if the
+    request fails otherwise or is withdrawn, they go back ahead of the key
+    (``give_back``) and the error is raised."""
     out: concurrent.futures.Future = concurrent.futures.Future()
     mine = [item.decode() for item, _ in local]
 
