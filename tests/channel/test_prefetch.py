@@ -150,3 +150,28 @@ def test_a_closed_channel_still_hands_out_the_items_taken_ahead(cluster):
             channel.get(timeout=30)
     finally:
         channel.shutdown()
+
+
+def test_items_taken_ahead_stay_gettable_once_the_worker_is_gone(cluster, monkeypatch):
+    import ray
+
+    from rlcomm import ChannelLostError
+    from rlcomm.cluster import RLCOMM_NAMESPACE
+    from rlcomm.comm.identity import actor_name
+
+    # Long enough that the items are not given back before the worker is killed.
+    monkeypatch.setattr(prefetch, "PREFETCH_LINGER", 30.0)
+    channel = Channel.create("pf_lost", cluster=cluster)
+    try:
+        for i in range(4):
+            channel.put(i)
+        assert channel.get(timeout=30) == 0  # 1, 2, 3 came ahead
+        ray.kill(ray.get_actor(actor_name(channel.worker_group_name, 0), namespace=RLCOMM_NAMESPACE))
+        deadline = time.monotonic() + 30
+        while not channel._router.requester("default").lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [channel.get(timeout=30) for _ in range(3)] == [1, 2, 3]
+        with pytest.raises(ChannelLostError, match="pf_lost"):
+            channel.get(timeout=30)
+    finally:
+        channel.shutdown()
