@@ -167,7 +167,7 @@ class ChannelState:
                 out.append(Delivery(client, rid, P.FULL))
             else:
                 self._park(kq.putters, Waiter(client, rid, op, key, weight, item,
-                                               self._deadline(now, timeout)))
+                                              self._deadline(now, timeout)))
             return
         kq.push(item, weight)
         out.append(Delivery(client, rid, P.OK))
@@ -193,7 +193,7 @@ class ChannelState:
                 self._serve(key, kq, out)
                 return
         self._park(kq.getters, Waiter(client, rid, op, key, target, None,
-                                       self._deadline(now, timeout)))
+                                      self._deadline(now, timeout)))
 
     def close(self, out: list[Delivery]) -> None:
         """Close the channel: answer parked puts ``CLOSED``, parked gets as they drain."""
