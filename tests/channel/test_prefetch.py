@@ -99,7 +99,9 @@ def _stats(channel: Channel, key: str) -> dict:
     return channel.stats()[0]["keys"][key]
 
 
-def test_later_gets_use_the_items_taken_ahead(cluster):
+def test_later_gets_use_the_items_taken_ahead(cluster, monkeypatch):
+    # Long enough that no item goes back while the test looks (a loaded machine).
+    monkeypatch.setattr(prefetch, "PREFETCH_LINGER", 30.0)
     channel = Channel.create("pf_ahead", cluster=cluster)
     try:
         for i in range(10):
