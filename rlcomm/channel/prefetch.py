@@ -74,7 +74,10 @@ class Ahead:
             if not queue:
                 return None
             self._used[key] = time.monotonic()
-            return queue.popleft()[0]
+            item = queue.popleft()[0]
+            if not queue:  # an emptied key goes: gets then skip the lock (no items held)
+                del self._queues[key]
+            return item
 
     def take_upto(self, key: P.Key, weight: float) -> list[Entry]:
         """Items of ``key`` from the head until their weights reach ``weight``."""
@@ -89,6 +92,8 @@ class Ahead:
                 have += out[-1][1]
             if out:
                 self._used[key] = time.monotonic()
+                if not queue:
+                    del self._queues[key]
         return out
 
     def unget(self, key: P.Key, entries: list[Entry]) -> None:
