@@ -109,6 +109,9 @@ class Settings:
         3600.0, "seconds a channel worker's reply may wait for a client that stopped "
         "reading (a frozen process) before the worker ends that client's connection",
         minimum=1e-3)
+    channel_write_behind: bool = _setting(
+        True, "a blocking put on an unbounded channel returns once its message is sent, "
+        "without waiting for the channel worker's answer (see Channel.put)", live=False)
     bcast_max_slots: int = _setting(
         4, "shared-memory segments a broadcast source keeps per group for same-node "
         "receivers (receivers holding views of all of them make it wait)", live=False,

@@ -16,6 +16,7 @@ from typing import Any
 from rlcomm.channel import lifecycle, local
 from rlcomm.channel import protocol as P
 from rlcomm.channel.aio import AsyncChannelOps
+from rlcomm.channel.client import settle_all
 from rlcomm.channel.itemtype import validate_type
 from rlcomm.channel.lifecycle import ChannelInfo
 from rlcomm.channel.local import LocalLink
@@ -48,12 +49,15 @@ class Channel(AsyncChannelOps):
       items' weights reach ``target_weight`` and returns them in one reply (one round
       trip for many items). Waiting gets are served in arrival order.
     - Prefetch: on a channel with a worker and ``maxsize=0``, a ``get`` may bring up to
-      32 more small items (no tensors beside them) of its key to its process, when
+      32 more items of its key (CPU items, 4 MiB of them at most) to its process, when
       that process is the key's one consumer and no other get waits; the next gets
       there take them without a round trip (``qsize`` counts them). Items not taken
       within 50 ms go back to the head of the key. If another consumer got later items
       of the key meanwhile, it may then get those after them: the one case in which a
       consumer sees a producer's items out of order.
+    - Write-behind puts: on an unbounded channel (``maxsize=0``) whose worker shares
+      this node, a blocking ``put`` returns without waiting for the worker's answer
+      (see :meth:`put`); :meth:`flush` waits until the worker holds them all.
     - ``close()``: waiting and later puts raise :class:`~rlcomm.ChannelClosedError`;
       gets drain what is queued (a waiting ``get_batch`` gets the rest as a partial
       batch), then raise :class:`~rlcomm.ChannelClosedError`; ``stream()`` ends.
@@ -188,7 +192,24 @@ class Channel(AsyncChannelOps):
         async_op: bool = False,
         timeout: float | None = None,
     ) -> AsyncWork | None:
-        """Put ``item`` on ``key``; return once the channel worker accepted it.
+        """Put ``item`` on ``key``.
+
+        On a channel with a bound (``maxsize`` > 0) this returns once the channel worker
+        accepted the item, or raises. On an unbounded channel a channel worker never
+        refuses an item for room, so ``put`` is *write-behind*: it returns once the item
+        is on its way to the worker, applied in order after this process's earlier
+        requests, with no round trip to wait for (set ``RLCOMM_CHANNEL_WRITE_BEHIND=0``
+        to wait all the same). Then:
+
+        - this process's later requests (``get``, ``qsize``, ``close``, ...) see it;
+        - a worker method that put it returns only once the worker holds it, and a
+          worker group's call starts only once this process's puts are held, so the
+          caller, and every worker it calls next, see it;
+        - another process told by other means (a raw Ray actor call, a file) may not
+          see it yet: call :meth:`flush` first;
+        - if the channel was closed before the item reached the worker, the item was
+          not enqueued, and this process's next ``put`` (or ``flush``, or the end of
+          the worker method) raises :class:`~rlcomm.ChannelClosedError` saying so.
 
         Args:
             item: the item; checked against ``item_type`` first.
@@ -317,10 +338,25 @@ class Channel(AsyncChannelOps):
         """
         if self._local is not None:
             return self._local.core.peek(key)
+        self.flush()
         if not self._info.distributed:
             return lifecycle.worker_peek(self._info, 0, key)
         rank = self._router.home(key, assign=False)
         return [] if rank < 0 else lifecycle.worker_peek(self._info, rank, key)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the channel worker holds every item this process put without
+        waiting (write-behind, see :meth:`put`), so that every other process sees them.
+        Costs nothing when there are none.
+
+        Raises:
+            ChannelClosedError: one of them was not enqueued (the channel was closed
+                before it arrived).
+            ChannelLostError: the channel worker is gone.
+            CommTimeoutError: no answer within ``timeout`` (default: rlcomm's op timeout).
+        """
+        if self._local is None:
+            settle_all(self._timeout(timeout), self.name)
 
     def close(self) -> None:
         """Close the channel, for every key and every handle (see the class docstring).
@@ -359,6 +395,7 @@ class Channel(AsyncChannelOps):
         """
         if self._local is not None:
             return [self._local.core.stats()]
+        self.flush()
         return lifecycle.worker_stats(self._info)
 
     # -- pickling ---------------------------------------------------------------------------

@@ -15,12 +15,20 @@ every :class:`~rlcomm.Channel` handle and every thread of the process. A link
   otherwise (async ops, asyncio) the connection's receiver thread reads them;
 - turns a lost connection (the worker died: the comm layer raises ``PeerLostError``)
   into :class:`~rlcomm.ChannelLostError` for every waiting and every later request;
-- keeps the small items its gets took ahead (:mod:`~rlcomm.channel.prefetch`), first
-  in line for this process's next gets of their key.
+- keeps the items its gets took ahead (:mod:`~rlcomm.channel.prefetch`), first
+  in line for this process's next gets of their key;
+- sends a blocking ``put`` on an unbounded channel *write-behind*: the put returns once
+  its message is posted, in order behind this process's earlier requests, and the worker
+  answers only a put it did not enqueue (the channel was closed first). The next put
+  raises that refusal, and so does :func:`settle_all`, which waits until the worker
+  applied them all: a worker method runs it before it returns (so its caller sees the
+  items queued), a worker group runs it before it calls its workers, ``Channel.flush``
+  runs it for one channel, and the process runs it when it exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import threading
@@ -38,7 +46,9 @@ from rlcomm.channel.requester import Entry, Requester
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.endpoint import Endpoint
 from rlcomm.comm.identity import WorkerAddress, actor_name
-from rlcomm.errors import ChannelLostError, CommError, PeerNotFoundError
+from rlcomm.comm.options import default_timeout
+from rlcomm.errors import ChannelLostError, CommError, PeerLostError, PeerNotFoundError
+from rlcomm.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +86,19 @@ class Link(Requester):
             ) from exc
         self._outbox = Outbox(self._send, self.fail)
         self.ahead = Ahead(self._give_back, lambda: self.lost)
+        self._behind_ok = maxsize == 0 and get_settings().channel_write_behind
+
+    @property
+    def writes_behind(self) -> bool:  # type: ignore[override]
+        """Unbounded channel, and a shared-memory connection: there a dead worker is
+        seen before each write (:meth:`put_behind`); over a network a put waits."""
+        return self._behind_ok and self._peer.shared_memory
+
+    def put_behind(self, req: P.Put, tensors: list[torch.Tensor]) -> None:
+        if self._peer.gone():  # the connection fails: the link is lost (_on_error)
+            self.lose(PeerLostError(f"channel worker {self.where} is gone"))
+        super().put_behind(req, tensors)
+        _behind.add(self)
 
     def _post(self, entries: list[Entry], inline: bool) -> None:
         self._outbox.post(entries, inline)
@@ -141,6 +164,8 @@ class Link(Requester):
                 done = []
             if tp is P.Got:
                 self.complete(reply.rid, P.OK, got[reply.rid], reply.weights)
+            elif tp is P.Unaccepted:
+                self.note_unaccepted(reply.key, reply.status)
             elif tp is P.Count:
                 self.complete(reply.rid, P.OK, reply.value)
             else:
@@ -154,6 +179,59 @@ class Link(Requester):
 
 _links: dict[tuple[str, int, str], Link] = {}
 _links_lock = threading.Lock()
+#: Links that sent write-behind puts since they were last settled (see settle_all).
+_behind: set[Link] = set()
+
+
+def settle_all(timeout: float | None = None, channel: str | None = None,
+               report: bool = True) -> None:
+    """Wait until every channel worker applied the write-behind puts this process sent
+    (those of ``channel`` only, if given): a blocking ``put`` on an unbounded channel
+    returns before its worker has the item, and this makes the items visible to every
+    other process. Nothing to do costs nothing. With ``report`` False (before a worker
+    group's call, which is about other things), a refused put or a lost worker is left
+    for that channel's next put or flush to raise.
+
+    Raises:
+        ChannelClosedError: a put was not enqueued (its channel was closed first).
+        ChannelLostError: a channel worker with such puts is gone.
+        CommTimeoutError: a worker did not answer within ``timeout`` (default: rlcomm's
+            op timeout).
+    """
+    if not _behind:
+        return
+    t = default_timeout() if timeout is None else timeout
+    first: BaseException | None = None
+    for link in list(_behind):
+        if channel is not None and link.channel != channel:
+            continue
+        try:
+            link.settle(t, report)
+        except Exception as exc:  # noqa: BLE001 - the others are settled first
+            first = first or exc
+        if link.lost and not report:
+            continue
+        if not link.unsettled:
+            _behind.discard(link)
+            if link.unsettled:  # a put since: keep it listed
+                _behind.add(link)
+    if first is not None:
+        raise first
+
+
+def _settle_at_exit() -> None:
+    for link in list(_behind):
+        if link.lost:  # its worker is gone: nothing to wait for (said when it was lost)
+            _behind.discard(link)
+    try:
+        settle_all(EXIT_SETTLE_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - the process ends either way
+        logger.warning("channel puts sent without waiting may be lost at exit: %s", exc)
+
+
+#: Seconds a process that ends waits for its write-behind puts to be applied.
+EXIT_SETTLE_TIMEOUT = 10.0
+atexit.register(_settle_at_exit)
 
 
 def link_to(channel: str, maxsize: int, group_name: str, rank: int, incarnation: str) -> Link:
@@ -180,3 +258,4 @@ def drop_links(group_name: str, incarnation: str, cause: BaseException) -> None:
         links = [_links.pop(k) for k in keys]
     for link in links:
         link.lose(cause)
+        _behind.discard(link)  # shut down: its items are gone, said or not

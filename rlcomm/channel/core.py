@@ -33,16 +33,17 @@ class ChannelCore:
         deliver: called outside the lock with the replies due to each client, in order.
         view: turns a stored item into what :meth:`peek` shows (a channel worker stores
             encoded items); ``None``: the item itself.
-        prefetchable: which stored items a get may take ahead for its process
-            (:class:`~rlcomm.channel.state.ChannelState`); ``None``: none.
+        lend_cost: what a stored item costs a get that takes it ahead for its process,
+            ``None`` for one it may not (:class:`~rlcomm.channel.state.ChannelState`);
+            ``None``: no prefetch.
     """
 
     def __init__(self, name: str, maxsize: int, deliver: Deliver,
                  view: Callable[[Any], Any] | None = None,
-                 prefetchable: Callable[[Any], bool] | None = None):
+                 lend_cost: Callable[[Any], int | None] | None = None):
         self.name = name
         self._view = view
-        self._state = ChannelState(name, maxsize, prefetchable)
+        self._state = ChannelState(name, maxsize, lend_cost)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._deliver = deliver
@@ -68,7 +69,9 @@ class ChannelCore:
                 except Exception as exc:  # noqa: BLE001 - answered to the requester
                     logger.exception("channel %r: request %s failed", self.name, P.op_name(req))
                     rid = P.rid_of(req)
-                    if rid != P.NO_REPLY:
+                    if rid == P.NO_REPLY and type(req) is P.Put:  # write-behind: say so
+                        out.append(Delivery(client, rid, P.ERROR, req.key))
+                    elif rid != P.NO_REPLY:
                         text = (
                             f"channel {self.name!r}: {P.op_name(req)} on key "
                             f"{getattr(req, 'key', '')!r} failed in the channel worker: {exc!r}"

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from rlcomm.channel.requester import Requester
 
 NO_RESULT, ONE_ITEM, ITEMS, VALUE = range(4)  # what a request's OK reply resolves to
-RESULTS = {P.Put: NO_RESULT, P.Close: NO_RESULT, P.Get: ONE_ITEM, P.GetBatch: ITEMS,
+RESULTS = {P.Put: NO_RESULT, P.Close: NO_RESULT, P.Sync: NO_RESULT, P.Get: ONE_ITEM, P.GetBatch: ITEMS,
            P.QSize: VALUE, P.Route: VALUE}
 
 

@@ -41,10 +41,15 @@ class StoredItem:
         self.tensors = tensors
         self.taken = False
 
-    def is_small(self) -> bool:
-        """Whether the item rides in the frame (no tensors beside it): one a get may
-        take ahead for its process (prefetch)."""
-        return not self.tensors
+    def lend_cost(self) -> int | None:
+        """The bytes this item costs a get that takes it ahead for its process
+        (prefetch); ``None`` for an item of GPU tensors, which is never lent."""
+        n = len(self.payload.data) + len(self.payload.header)
+        for t in self.tensors:
+            if t.is_cuda:
+                return None
+            n += t.numel() * t.element_size()
+        return n
 
     @property
     def nbytes(self) -> int:

@@ -2,7 +2,7 @@
 
 A blocking or async ``get`` on a channel with a worker asks for up to :data:`PREFETCH`
 more items in its reply. The worker lends them only when that keeps the channel's
-promises (:mod:`~rlcomm.channel.state`: an unbounded channel, small items, the key's one
+promises (:mod:`~rlcomm.channel.state`: an unbounded channel, CPU items up to a byte budget, the key's one
 consumer, nobody else waiting). The process keeps them here, per key, in order:
 
 - ``get`` and ``get_nowait`` take the next one without asking the worker;

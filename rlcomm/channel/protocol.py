@@ -14,7 +14,10 @@ that own them (``Payload.tensors`` says how many each owns).
 
 Requests (:data:`Request`) carry a request id ``rid``; every request with ``rid >= 0`` gets
 exactly one reply (:data:`Reply`) with that id. :class:`Cancel` and :class:`Requeue` get
-none. ``timeout`` is the seconds a blocking request may wait at the channel worker
+none. A :class:`Put` with ``rid`` :data:`NO_REPLY` is a *write-behind* put: its producer
+did not wait for it, and it is answered only if it was not enqueued
+(:class:`Unaccepted`); a :class:`Sync` tells the producer that everything it sent before
+was applied. ``timeout`` is the seconds a blocking request may wait at the channel worker
 (``None``: it never parks, or waits without limit).
 
 ``ClientFrame.read`` is how many reply messages the client has read from the worker so
@@ -89,7 +92,7 @@ class Put(msgspec.Struct, tag="put", array_like=True, gc=False):
 class Get(msgspec.Struct, tag="get", array_like=True, gc=False):
     """Take the next item of ``key`` (``nowait``: answer ``EMPTY`` rather than park).
 
-    ``prefetch``: up to this many more small items of the key may come in the same
+    ``prefetch``: up to this many more items of the key may come in the same
     :class:`Got`, for the client's next gets (see :mod:`~rlcomm.channel.state`)."""
 
     rid: int
@@ -130,6 +133,13 @@ class Route(msgspec.Struct, tag="route", array_like=True, gc=False):
     proposed: int
 
 
+class Sync(msgspec.Struct, tag="sync", array_like=True, gc=False):
+    """Answered :class:`Done` once every request this client sent before it was applied
+    (and any :class:`Unaccepted` they caused was sent ahead of that reply)."""
+
+    rid: int
+
+
 class Cancel(msgspec.Struct, tag="cancel", array_like=True, gc=False):
     """Withdraw parked request ``target`` of this client (no reply; the withdrawn request
     is answered ``CANCELLED`` if it was still parked)."""
@@ -147,7 +157,7 @@ class Requeue(msgspec.Struct, tag="requeue", array_like=True, gc=False):
     weights: list[float]
 
 
-Request = Union[Put, Get, GetBatch, QSize, Close, Route, Cancel, Requeue]  # noqa: UP007
+Request = Union[Put, Get, GetBatch, QSize, Close, Route, Sync, Cancel, Requeue]  # noqa: UP007
 
 
 def rid_of(request: Request) -> int:
@@ -193,7 +203,15 @@ class Refused(msgspec.Struct, tag="refused", array_like=True, gc=False):
     text: str = ""
 
 
-Reply = Union[Done, Got, Count, Refused]  # noqa: UP007
+class Unaccepted(msgspec.Struct, tag="unaccepted", array_like=True, gc=False):
+    """A write-behind put (one with ``rid`` :data:`NO_REPLY`) on ``key`` was not
+    enqueued: ``status`` says why (``CLOSED``, or ``ERROR``: see the worker's log)."""
+
+    key: Key
+    status: Status
+
+
+Reply = Union[Done, Got, Count, Refused, Unaccepted]  # noqa: UP007
 
 
 # -- frames ------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ class ChannelRequests:
     def _put(self, requester: Requester, req: P.Put, timeout: float, async_op: bool) -> Any:
         """Encode the put's item (in a channel with a worker) and send it."""
         req.item, tensors = requester.prepare_item(req.item)
+        if not async_op and not req.nowait and requester.writes_behind:
+            requester.put_behind(req, tensors)
+            return None
         return self._request(requester, req, timeout, async_op, tensors)
 
     def _request(

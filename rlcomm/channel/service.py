@@ -121,7 +121,7 @@ class ChannelService:
         self._where = where
         self._endpoint = Endpoint.current()
         self.core = ChannelCore(channel_name, maxsize, self._deliver, StoredItem.decode,
-                                StoredItem.is_small)
+                                StoredItem.lend_cost)
         self._lock = threading.Lock()
         self._selector = PeerSelector(f"rlcomm-channel-{channel_name}")
         self._listening: dict[WorkerAddress, Peer | None] = {}
@@ -353,7 +353,10 @@ def _reply_message(batch: list[Delivery]) -> tuple[MessageHeader, list[torch.Ten
     tensors: list[torch.Tensor] = []
     for d in batch:
         if d.status != P.OK:
-            replies.append(P.Refused(d.rid, d.status, d.value if d.status == P.ERROR else ""))
+            if d.rid == P.NO_REPLY:  # a write-behind put that was not enqueued
+                replies.append(P.Unaccepted(d.value, d.status))
+            else:
+                replies.append(P.Refused(d.rid, d.status, d.value if d.status == P.ERROR else ""))
         elif d.key is not None:
             items: list[StoredItem] = d.value
             replies.append(P.Got(d.rid, [i.payload for i in items], d.weights))

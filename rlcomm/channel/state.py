@@ -23,13 +23,17 @@ Rules (the channel's documented semantics live here):
 - ``close()``: parked and later puts are answered ``CLOSED``; gets drain what is queued
   (a waiting ``get_batch`` gets the remaining items as a *partial batch*), then are
   answered ``CLOSED``.
+- A *write-behind* put (``rid`` :data:`~rlcomm.channel.protocol.NO_REPLY`, sent by a
+  producer that did not wait) is answered only when it is not enqueued: its
+  :class:`Delivery` then has that ``rid`` and the key as its ``value``. It never parks
+  (producers send them only to unbounded channels; on a full key it is refused ``FULL``).
 - A request that reaches its deadline while parked is answered ``TIMEOUT``; a timed-out
   put was not enqueued and a timed-out get took nothing.
 - *Prefetch*: a ``get`` may ask for up to ``prefetch`` more items in its reply, for its
   process's next gets. It gets them only from an unbounded channel (``maxsize`` 0: a
   bound is a promise about how far producers may run ahead, and lent items would break
-  it), only items the owner calls small (``prefetchable``), only while no other get
-  waits on the key behind it, and only while it is the key's one consumer (no other
+  it), only items the owner may lend (``lend_cost``: CPU items, up to
+  :data:`PREFETCH_BYTES` of them), only while no other get waits on the key behind it, and only while it is the key's one consumer (no other
   client took items of the key for :data:`SHARED_SECONDS`), so that every consumer
   still gets each producer's items in order. The client keeps them in order ahead of
   the key, and puts back what it did not take soon (``Requeue``), so items lent to a
@@ -51,6 +55,8 @@ from rlcomm.channel.protocol import Status
 _GET, _GET_NOWAIT, _GET_BATCH, _PUT, _PUT_NOWAIT = range(5)
 #: Seconds a key counts as shared by several consumers after two took items in a row.
 SHARED_SECONDS = 1.0
+#: Most bytes of items one get takes ahead (prefetch), beside the item it asked for.
+PREFETCH_BYTES = 4 << 20
 _PUT_OPS = (_PUT, _PUT_NOWAIT)
 
 
@@ -59,7 +65,8 @@ class Delivery(NamedTuple):
 
     Attributes:
         value: of an ``OK`` get, the list of items it took (one for ``get``); of a
-            qsize, the count; of an ``ERROR``, the text; else ``None``.
+            qsize, the count; of an ``ERROR``, the text; of a refused write-behind put
+            (``rid`` ``NO_REPLY``), its key; else ``None``.
         weights: the weights of the items a get took.
         key: the key a get took its items from (so a reply that cannot be delivered can
             put them back); ``None`` for replies that hand out no item.
@@ -79,14 +86,17 @@ class ChannelState:
     Args:
         name: the channel's name, for messages.
         maxsize: items per key; 0 for unbounded.
+        lend_cost: the bytes a stored item costs a get that takes it ahead (prefetch),
+            ``None`` for an item that may not be; ``None``: no prefetch.
     """
 
     def __init__(self, name: str, maxsize: int,
-                 prefetchable: Callable[[Any], bool] | None = None):
+                 lend_cost: Callable[[Any], int | None] | None = None):
         self.name = name
         self.maxsize = maxsize
-        #: Which stored items a get may take ahead (None: none; see the module docstring).
-        self._prefetchable = prefetchable if maxsize == 0 else None
+        #: The bytes a stored item costs a get that takes it ahead, None for one that may
+        #: never be (None: no item may; see the module docstring).
+        self._lend_cost = lend_cost if maxsize == 0 else None
         self._now = 0.0  # the time of the request being applied
         self.closed = False
         self._keys: dict[P.Key, KeyQueue] = {}
@@ -144,6 +154,8 @@ class ChannelState:
         elif tp is P.Close:
             self.close(out)
             out.append(Delivery(client, req.rid, P.OK))
+        elif tp is P.Sync:
+            out.append(Delivery(client, req.rid, P.OK))
         elif tp is P.Cancel:
             self.cancel(client, req.target, out)
         elif tp is P.Requeue:
@@ -159,18 +171,21 @@ class ChannelState:
         timeout: float | None, item: Any, now: float, out: list[Delivery],
     ) -> None:
         if self.closed:
-            out.append(Delivery(client, rid, P.CLOSED))
+            out.append(Delivery(client, rid, P.CLOSED, key if rid == P.NO_REPLY else None))
             return
         kq = self._key(key)
         if kq.putters or self._full(kq):
-            if op == _PUT_NOWAIT:
+            if rid == P.NO_REPLY:  # write-behind puts are for unbounded channels only
+                out.append(Delivery(client, rid, P.FULL, key))
+            elif op == _PUT_NOWAIT:
                 out.append(Delivery(client, rid, P.FULL))
             else:
                 self._park(kq.putters, Waiter(client, rid, op, key, weight, item,
                                               self._deadline(now, timeout)))
             return
         kq.push(item, weight)
-        out.append(Delivery(client, rid, P.OK))
+        if rid != P.NO_REPLY:
+            out.append(Delivery(client, rid, P.OK))
         self._serve(key, kq, out)
 
     def _get(
@@ -304,14 +319,18 @@ class ChannelState:
         return 0 if self.closed else None
 
     def _ahead(self, kq: KeyQueue, most: int) -> int:
-        """How many items after the head a get may take ahead (at most ``most``)."""
-        ok = self._prefetchable
-        if ok is None:
+        """How many items after the head a get may take ahead (at most ``most``, and at
+        most :data:`PREFETCH_BYTES` of them)."""
+        cost = self._lend_cost
+        if cost is None:
             return 0
         n = 0
+        budget = PREFETCH_BYTES
         for i in range(1, min(len(kq.items), most + 1)):
-            if not ok(kq.items[i]):
+            c = cost(kq.items[i])
+            if c is None or c > budget:
                 break
+            budget -= c
             n += 1
         return n
 

@@ -79,6 +79,12 @@ class Peer:
         transport is ``memory_only``: shared memory)."""
         return self._conn.memory_only
 
+    def gone(self) -> bool:
+        """Whether the connection failed or the peer is seen gone now, without waiting
+        (a check before a write that nobody will wait on; a transport that cannot tell
+        without reading says no)."""
+        return self._conn.peer_gone()
+
     def send(self, frame: bytes, tensors: list[torch.Tensor], timeout: float | None = None) -> None:
         """Send a message from this thread (after any queued async sends).
 

@@ -2,8 +2,10 @@
 
 The actor class is a subclass of the user's class, made once per launch. Its
 constructor takes a :class:`WorkerContext` first, sets the environment and the worker's
-identity, and only then runs the user's ``__init__``. Public methods are wrapped so a
-``sys.exit`` inside one is logged with the worker's address before the process ends.
+identity, and only then runs the user's ``__init__``. Public methods are wrapped: before
+one returns, the channel puts it made without waiting are settled (so its caller sees
+the items queued), and a ``sys.exit`` inside one is logged with the worker's address
+before the process ends.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import ray
 
+from rlcomm.channel.client import settle_all
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.process import ProcessContext, start_process
 from rlcomm.settings import get_settings
@@ -71,26 +74,55 @@ def _install_failure_hooks(address: WorkerAddress) -> None:
     atexit.register(lambda: logger.debug("worker %s process exiting", address))
 
 
-def _wrap_for_exit_logging(name: str, fn: Any) -> Any:
+def _settle_puts(name: str, failed: bool) -> None:
+    """After a method: wait until the channel workers hold the items it put without
+    waiting (:func:`~rlcomm.channel.client.settle_all`), so its caller sees them. A
+    method that raised keeps its own error; a refused put is then only logged."""
+    if failed:
+        try:
+            settle_all()
+        except Exception as exc:  # noqa: BLE001 - the method's own error comes first
+            logger.warning("after %s() raised, its channel puts failed too: %s", name, exc)
+    else:
+        settle_all()
+
+
+def _wrap_method(name: str, fn: Any, log_exit: bool) -> Any:
+    """``fn`` that settles its channel puts before it returns, and (``log_exit``) logs a
+    ``sys.exit`` inside it with the worker's address."""
     if inspect.iscoroutinefunction(fn):
 
         @functools.wraps(fn)
         async def async_wrapper(self, *args, **kwargs):
             try:
-                return await fn(self, *args, **kwargs)
+                out = await fn(self, *args, **kwargs)
             except SystemExit as exc:
-                logger.error("worker %s called sys.exit(%s) in %s()", self.worker_address, exc.code, name)
+                if log_exit:
+                    logger.error("worker %s called sys.exit(%s) in %s()",
+                                 self.worker_address, exc.code, name)
                 raise
+            except BaseException:
+                _settle_puts(name, True)
+                raise
+            _settle_puts(name, False)
+            return out
 
         return async_wrapper
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         try:
-            return fn(self, *args, **kwargs)
+            out = fn(self, *args, **kwargs)
         except SystemExit as exc:
-            logger.error("worker %s called sys.exit(%s) in %s()", self.worker_address, exc.code, name)
+            if log_exit:
+                logger.error("worker %s called sys.exit(%s) in %s()",
+                             self.worker_address, exc.code, name)
             raise
+        except BaseException:
+            _settle_puts(name, True)
+            raise
+        _settle_puts(name, False)
+        return out
 
     return wrapper
 
@@ -132,7 +164,6 @@ def make_actor_class(worker_cls: type[Worker], catch_system_failure: bool) -> ty
         # A qualname that does not resolve makes cloudpickle ship the subclass by value.
         "__qualname__": f"{worker_cls.__qualname__}.<rlcomm actor>",
     }
-    if catch_system_failure:
-        for name in public_methods(worker_cls):
-            namespace[name] = _wrap_for_exit_logging(name, getattr(worker_cls, name))
+    for name in public_methods(worker_cls):
+        namespace[name] = _wrap_method(name, getattr(worker_cls, name), catch_system_failure)
     return type(worker_cls.__name__, (worker_cls,), namespace)

@@ -1,7 +1,7 @@
-"""Prefetch: a get takes small items ahead for its process's next gets, only where that
-keeps the channel's promises (unbounded, small items, one consumer, nobody waiting), and
-items taken ahead but unused go back to the key. The rules on the pure state first, then
-end to end with a real channel worker and worker processes."""
+"""Prefetch: a get takes items ahead for its process's next gets, only where that keeps
+the channel's promises (unbounded, CPU items within a byte budget, one consumer, nobody
+waiting), and items taken ahead but unused go back to the key. The rules on the pure
+state first, then end to end with a real channel worker and worker processes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from rlcomm import Channel, ChannelClosedError, NodePlacementStrategy, Worker
 from rlcomm.channel import prefetch
 from rlcomm.channel import protocol as P
-from rlcomm.channel.state import SHARED_SECONDS, ChannelState
+from rlcomm.channel.state import PREFETCH_BYTES, SHARED_SECONDS, ChannelState
 
 
 def _get(state: ChannelState, client: str, rid: int, now: float, prefetch_n: int = 8,
@@ -30,8 +30,10 @@ def _fill(state: ChannelState, n: int, key: str = "k", big: set[int] = frozenset
                      0.0, out)
 
 
-def _small(item) -> bool:
-    return item[0] == "small"
+def _small(item) -> int | None:
+    """Lend costs: a small item 1 KiB; a "big" one may never be lent (like GPU items);
+    a "half" one costs half of what one get may take ahead."""
+    return {"small": 1024, "big": None, "half": PREFETCH_BYTES // 2}[item[0]]
 
 
 def test_a_get_takes_small_items_ahead_up_to_its_ask():
@@ -53,6 +55,15 @@ def test_no_items_ahead_past_a_large_one_or_on_a_bounded_channel():
     _fill(bounded, 4)
     (d,) = _get(bounded, "a", 1, 1.0)
     assert [i for _, i in d.value] == [0]  # maxsize > 0: a bound is a promise
+
+
+def test_items_ahead_stop_at_the_byte_budget():
+    state = ChannelState("t", 0, _small)
+    out: list = []
+    for i in range(6):
+        state.handle("producer", P.Put(1000 + i, "k", 1.0, None, ("half", i)), 0.0, out)
+    (d,) = _get(state, "a", 1, 1.0, prefetch_n=8)
+    assert [i for _, i in d.value] == [0, 1, 2]  # the head, then two halves of the budget
 
 
 def test_no_items_ahead_while_another_consumer_shares_the_key():
@@ -116,11 +127,15 @@ def test_later_gets_use_the_items_taken_ahead(cluster, monkeypatch):
         # Two items ahead, the rest from the worker, in order.
         assert channel.get_batch(4, key="k", timeout=30) == [8, 9, 10, 11]
         assert channel.get_nowait("k") == 12
-        # A tensor item is not small: it never comes ahead.
+        # Tensor items come ahead within the byte budget (4 MiB), a larger one never.
         channel.put(torch.ones(1 << 18), key="t")
         channel.put(torch.ones(1 << 18), key="t")
         channel.get(key="t", timeout=30)
-        assert _stats(channel, "t")["gets"] == 1
+        assert _stats(channel, "t")["gets"] == 2
+        channel.put(torch.ones(5 << 18), key="big")
+        channel.put(torch.ones(5 << 18), key="big")
+        channel.get(key="big", timeout=30)
+        assert _stats(channel, "big")["gets"] == 1
     finally:
         channel.shutdown()
 

@@ -109,6 +109,17 @@ class Connection:
         if self._on_lost is not None:
             self._on_lost(self)
 
+    def peer_gone(self) -> bool:
+        """Whether the connection failed, or its transport sees the peer gone now (the
+        connection then fails here, as a read would have made it)."""
+        if self.reader.error is not None:
+            return True
+        transport = self._transport
+        if transport is None or not transport.peer_gone():
+            return False
+        self.fail(PeerLostError(f"the peer {self.peer} is gone (its process ended)"))
+        return True
+
     @property
     def attached(self) -> bool:
         return self._transport is not None

@@ -222,6 +222,12 @@ class Transport(ABC):
         """
         raise NotImplementedError(f"the {self.name} transport cannot be polled")
 
+    def peer_gone(self) -> bool:
+        """Whether the peer is seen gone now, found without waiting and without reading
+        anything (a cheap check before a write that nobody will wait on). ``False``
+        when this transport cannot tell without a read."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Release the connection's resources; later calls fail."""

@@ -213,6 +213,9 @@ class ShmTransport(Transport):
         """Whether the transport is closed or its peer is known to be gone."""
         return self._closed
 
+    def peer_gone(self) -> bool:
+        return self._closed or self._signals.peer_gone()
+
     def mark_lost(self) -> None:
         """The peer is gone: every later op raises PeerLostError."""
         self._closed = True

@@ -158,6 +158,16 @@ class SignalSockets:
     def lost(self, what: str) -> PeerLostError:
         return PeerLostError(f"{what} with {self._peer} failed: the peer process is gone")
 
+    def peer_gone(self) -> bool:
+        """Whether the peer closed its end (it ended), seen without waiting or reading:
+        one non-blocking peek at the incoming socket."""
+        try:
+            return not self.inn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            return exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
+
     def notify(self, sock: socket.socket) -> None:
         """Send a token on ``sock`` (dropped when the peer has plenty unread already)."""
         try:

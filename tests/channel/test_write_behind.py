@@ -1,0 +1,202 @@
+"""Write-behind puts: a blocking ``put`` on an unbounded channel returns without waiting
+for the channel worker, and still nothing is lost, reordered or silently refused. Real
+channel workers and worker processes; the faults are real (a closed channel, a killed
+and a stopped channel worker)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+
+from rlcomm import (
+    Channel,
+    ChannelClosedError,
+    ChannelLostError,
+    CommTimeoutError,
+    NodePlacementStrategy,
+    Worker,
+)
+from rlcomm.channel import client
+from rlcomm.cluster import RLCOMM_NAMESPACE
+from rlcomm.comm.identity import actor_name
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Putter(Worker):
+    def put_many(self, channel: Channel, n: int, key: str = "k") -> int:
+        """Blocking puts; returns how many of them waited for the worker's answer
+        (none should: the method's end settles them instead)."""
+        for i in range(n):
+            assert channel.put(i, key=key) is None
+        return 0
+
+    def put_then_close_then_put(self, channel: Channel) -> tuple[str, str]:
+        """A put, then the channel closed by this process, then a put: what the second
+        put and a flush raise."""
+        channel.put("before", key="c")
+        channel.close()
+        errors = []
+        for op in (lambda: channel.put("after", key="c"), channel.flush):
+            try:
+                op()
+                errors.append("")
+            except ChannelClosedError as exc:
+                errors.append(str(exc))
+        return errors[0], errors[1]
+
+
+@pytest.fixture(scope="module")
+def putter(cluster):
+    group = Putter.create_group().launch(cluster, NodePlacementStrategy([0]), name="wb_putter")
+    yield group
+    group.shutdown()
+
+
+def _worker_pid(channel: Channel) -> int:
+    actor = ray.get_actor(actor_name(channel.worker_group_name, 0), namespace=RLCOMM_NAMESPACE)
+    return ray.get(actor.channel_node_info.remote(), timeout=60)["pid"]
+
+
+def _link(channel: Channel, key: str = "k") -> client.Link:
+    return channel._router.requester(key)  # type: ignore[attr-defined, return-value]
+
+
+def test_puts_of_a_worker_method_are_held_when_it_returns(cluster, putter):
+    channel = Channel.create("wb_method", cluster=cluster)
+    try:
+        for round_ in range(5):
+            putter.put_many(channel, 300, f"k{round_}").wait(timeout=120)
+            # No flush here: the method settled its puts before it returned.
+            assert channel.qsize(f"k{round_}") == 300
+        assert channel.stats()[0]["puts"] == 1500
+        assert [channel.get(key="k0", timeout=10) for _ in range(300)] == list(range(300))
+        replies = channel.stats()[0]["replies"]
+        # The worker answered the producer's 1500 puts with a handful of Sync replies
+        # (one per method), not a reply per put.
+        assert replies["sent_inline"] + replies["sent_by_reply_threads"] < 200, replies
+    finally:
+        channel.shutdown()
+
+
+def test_a_put_then_a_get_of_the_same_process_see_each_other(cluster):
+    channel = Channel.create("wb_fifo", cluster=cluster)
+    try:
+        link = _link(channel)
+        channel.put(-1, key="k")  # the first put waits: the connection is made on it
+        assert channel.get_nowait(key="k") == -1
+        assert link.writes_behind
+        for i in range(200):
+            channel.put(i, key="k")
+            assert channel.get_nowait(key="k") == i
+        bounded = Channel.create("wb_bounded", cluster=cluster, maxsize=4)
+        try:
+            assert not _link(bounded).writes_behind  # a bound is answered by the worker
+        finally:
+            bounded.shutdown()
+    finally:
+        channel.shutdown()
+
+
+def test_a_put_after_the_channel_closed_is_never_silently_dropped(cluster, putter):
+    channel = Channel.create("wb_closed", cluster=cluster)
+    try:
+        after, flushed = putter.put_then_close_then_put(channel).wait(timeout=60)[0]
+        assert "closed" in after  # this process saw its own close: the put raised at once
+        assert flushed == ""  # nothing was sent behind after the close
+        assert channel.get(key="c", timeout=10) == "before"
+        # Another process that did not see the close: its write-behind put is refused by
+        # the worker, and the refusal is raised by its next put and by a flush.
+        channel2 = Channel.create("wb_closed2", cluster=cluster)
+        try:
+            channel2.put("first", key="c")
+            channel2.flush()
+            putter.put_many(channel2, 1, "other").wait(timeout=60)  # the putter's link
+            channel2_worker = ray.get_actor(actor_name(channel2.worker_group_name, 0),
+                                            namespace=RLCOMM_NAMESPACE)
+            assert ray.get(channel2_worker.channel_stats.remote(), timeout=60)["puts"] == 2
+            Channel.connect("wb_closed2").close()
+            with pytest.raises(ChannelClosedError, match="closed"):
+                putter.put_many(channel2, 3, "late").wait(timeout=60)
+        finally:
+            channel2.shutdown()
+    finally:
+        channel.shutdown()
+
+
+def test_a_killed_channel_worker_fails_the_next_put_and_flush(cluster):
+    channel = Channel.create("wb_killed", cluster=cluster)
+    try:
+        channel.put("x", key="k")
+        channel.flush()
+        pid = _worker_pid(channel)
+        for _ in range(20):
+            channel.put("unsettled", key="k")
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ChannelLostError, match="may not have reached it"):
+            channel.flush(timeout=30)  # they may have died with it: said, not hidden
+        with pytest.raises(ChannelLostError, match="wb_killed"):
+            channel.put("y", key="k")
+        assert time.monotonic() - start < 10
+
+        other = Channel.create("wb_killed2", cluster=cluster)
+        try:
+            other.put("x", key="k")
+            other.flush()
+            os.kill(_worker_pid(other), signal.SIGKILL)
+            time.sleep(0.5)
+            with pytest.raises(ChannelLostError, match="wb_killed2"):
+                for _ in range(100):  # the first put after the death is seen raises
+                    other.put("y", key="k")
+        finally:
+            other.shutdown()
+    finally:
+        channel.shutdown()
+
+
+def test_flush_times_out_on_a_stopped_channel_worker_then_completes(cluster):
+    channel = Channel.create("wb_stopped", cluster=cluster)
+    pid = _worker_pid(channel)
+    try:
+        channel.put(0, key="k")
+        channel.flush()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for i in range(1, 50):
+                channel.put(i, key="k")  # written behind: no waiting on the stopped worker
+            start = time.monotonic()
+            with pytest.raises(CommTimeoutError):
+                channel.flush(timeout=1.0)
+            assert time.monotonic() - start < 10
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        channel.flush(timeout=30)
+        assert channel.qsize(key="k") == 50
+        assert [channel.get(key="k", timeout=10) for _ in range(50)] == list(range(50))
+    finally:
+        channel.shutdown()
+
+
+def test_a_get_takes_tensor_items_ahead_within_the_byte_budget(cluster):
+    channel = Channel.create("wb_tensors", cluster=cluster)
+    try:
+        items = [torch.full((64 << 10,), float(i)) for i in range(30)]  # 256 KiB each
+        for t in items:
+            channel.put(t, key="k")
+        first = channel.get(key="k", timeout=10)
+        link = _link(channel)
+        ahead = link.prefetched("k")
+        # 4 MiB of 256 KiB items beside the one asked for: 15, as each item's codec
+        # header counts too.
+        assert ahead == 15
+        assert torch.equal(first, items[0])
+        got = [channel.get(key="k", timeout=10) for _ in range(29)]
+        assert all(torch.equal(g, t) for g, t in zip(got, items[1:], strict=True))
+    finally:
+        channel.shutdown()
