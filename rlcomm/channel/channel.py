@@ -49,7 +49,7 @@ class Channel(AsyncChannelOps):
       items' weights reach ``target_weight`` and returns them in one reply (one round
       trip for many items). Waiting gets are served in arrival order.
     - Prefetch: on a channel with a worker and ``maxsize=0``, a ``get`` may bring up to
-      32 more items of its key (CPU items, 4 MiB of them at most) to its process, when
+      32 more items of its key (CPU items, 16 MiB of them at most) to its process, when
       that process is the key's one consumer and no other get waits; the next gets
       there take them without a round trip (``qsize`` counts them). Items not taken
       within 50 ms go back to the head of the key. If another consumer got later items

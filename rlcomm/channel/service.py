@@ -70,6 +70,8 @@ from rlcomm.comm.endpoint import (
     PeerSelector,
     WorkerAddress,
     encode_message,
+    forward_without_copies,
+    forwarded_without_copies,
     parse_address,
 )
 from rlcomm.errors import CodecError, CommError, CommTimeoutError, PeerLostError
@@ -119,6 +121,9 @@ class ChannelService:
     def __init__(self, channel_name: str, maxsize: int, coordinator: bool, where: str):
         self._channel_name = channel_name
         self._where = where
+        # Items are forwarded as they arrived and never written to: a large one goes on
+        # to its consumer as its producer's segment, not as a copy.
+        forward_without_copies()
         self._endpoint = Endpoint.current()
         self.core = ChannelCore(channel_name, maxsize, self._deliver, StoredItem.decode,
                                 StoredItem.lend_cost)
@@ -160,6 +165,7 @@ class ChannelService:
             "clients": per_client,
             "sent_inline": sum(r.outbox.sent_inline for _, r in replies),
             "sent_by_reply_threads": sum(r.outbox.sent_off for _, r in replies),
+            "relayed_payloads": forwarded_without_copies(),
         }
 
     def _listen(self, address: WorkerAddress) -> None:

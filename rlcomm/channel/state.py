@@ -56,7 +56,7 @@ _GET, _GET_NOWAIT, _GET_BATCH, _PUT, _PUT_NOWAIT = range(5)
 #: Seconds a key counts as shared by several consumers after two took items in a row.
 SHARED_SECONDS = 1.0
 #: Most bytes of items one get takes ahead (prefetch), beside the item it asked for.
-PREFETCH_BYTES = 4 << 20
+PREFETCH_BYTES = 16 << 20
 _PUT_OPS = (_PUT, _PUT_NOWAIT)
 
 

@@ -34,6 +34,7 @@ from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout
 from rlcomm.comm.selector import Selector
+from rlcomm.comm.transports import shm_relay
 from rlcomm.comm.transports.shm_memory import RING_BYTES
 from rlcomm.errors import CommError
 
@@ -111,6 +112,20 @@ class Peer:
     def close(self) -> None:
         """End the connection (the peer sees it lost)."""
         self._conn.close()
+
+
+def forward_without_copies() -> None:
+    """Declare that this process forwards the payloads it receives and never writes to
+    them (a channel worker): from now on, a large payload received over shared memory
+    and sent on to another process of the node travels as the original sender's memory,
+    not as a copy (:mod:`~rlcomm.comm.transports.shm_relay`). Call it before the
+    process's first connection."""
+    shm_relay.enable()
+
+
+def forwarded_without_copies() -> int:
+    """How many payloads this process sent on as their original sender's memory."""
+    return shm_relay.relayed
 
 
 class Endpoint:

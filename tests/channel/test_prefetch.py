@@ -127,13 +127,13 @@ def test_later_gets_use_the_items_taken_ahead(cluster, monkeypatch):
         # Two items ahead, the rest from the worker, in order.
         assert channel.get_batch(4, key="k", timeout=30) == [8, 9, 10, 11]
         assert channel.get_nowait("k") == 12
-        # Tensor items come ahead within the byte budget (4 MiB), a larger one never.
+        # Tensor items come ahead within the byte budget (16 MiB), a larger one never.
         channel.put(torch.ones(1 << 18), key="t")
         channel.put(torch.ones(1 << 18), key="t")
         channel.get(key="t", timeout=30)
         assert _stats(channel, "t")["gets"] == 2
-        channel.put(torch.ones(5 << 18), key="big")
-        channel.put(torch.ones(5 << 18), key="big")
+        channel.put(torch.ones(17 << 18), key="big")
+        channel.put(torch.ones(17 << 18), key="big")
         channel.get(key="big", timeout=30)
         assert _stats(channel, "big")["gets"] == 1
     finally:

@@ -186,13 +186,13 @@ def test_flush_times_out_on_a_stopped_channel_worker_then_completes(cluster):
 def test_a_get_takes_tensor_items_ahead_within_the_byte_budget(cluster):
     channel = Channel.create("wb_tensors", cluster=cluster)
     try:
-        items = [torch.full((64 << 10,), float(i)) for i in range(30)]  # 256 KiB each
+        items = [torch.full((256 << 10,), float(i)) for i in range(30)]  # 1 MiB each
         for t in items:
             channel.put(t, key="k")
         first = channel.get(key="k", timeout=10)
         link = _link(channel)
         ahead = link.prefetched("k")
-        # 4 MiB of 256 KiB items beside the one asked for: 15, as each item's codec
+        # 16 MiB of 1 MiB items beside the one asked for: 15, as each item's codec
         # header counts too.
         assert ahead == 15
         assert torch.equal(first, items[0])

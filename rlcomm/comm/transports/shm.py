@@ -42,11 +42,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm.transports import bulk_copy, pool, registry, shm_handover
+from rlcomm.comm.transports import bulk_copy, pool, registry, shm_handover, shm_relay
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
+    FIRST_RELAY_SLOT,
     HEAD,
+    MAX_SEGMENTS,
     RING_BYTES,
     SLEEPING,
     TAIL,
@@ -71,6 +73,10 @@ _MAX_IN_FLIGHT = get_settings().shm_max_in_flight
 #: queue's items) copies later payloads out instead, so that the sender does not run out
 #: of segments and fall back to streaming large payloads through the ring.
 _PIN_LIMIT = _MAX_IN_FLIGHT // 2
+#: A process that relays what it receives (:mod:`.shm_relay`, a channel worker) keeps
+#: more: the views it holds are its queue, and each one it copies out is a copy the relay
+#: saves. It leaves the sender this many segments for what is on its way.
+_RELAY_SPARE = 8
 
 #: Most handed-over fds a peer may pass ahead of the messages that use them (each is an
 #: open file descriptor here until its message is read).
@@ -114,6 +120,9 @@ class ShmTransport(Transport):
         self._pool = SegmentPool(self._out.states, self._signals.send_fd, _MAX_IN_FLIGHT)
         self._writer = RingWriter(self._out, self._pool, self._signals, peer, _MAX_IN_FLIGHT)
         self._peer_segments: dict[int, Segment] = {}  # incoming, mapped on first sight
+        self._relayed: dict[int, int] = {}  # incoming relay slot -> its id now
+        self._pin_limit = (max(_PIN_LIMIT, _MAX_IN_FLIGHT - _RELAY_SPARE)
+                           if shm_relay.enabled() else _PIN_LIMIT)
         self._handed: deque[tuple[int, int, int]] = deque()  # incoming (fd, offset, nbytes)
 
     # -- notifications ----------------------------------------------------------------------
@@ -139,9 +148,35 @@ class ShmTransport(Transport):
                     )
                 self._handed.append((fd, *size))  # type: ignore[misc]
                 return got
-            self._peer_segments[seg_id] = Segment(seg_id, size, map_fd(fd, size))  # type: ignore[arg-type]
-            os.close(fd)
+            self._map_peer_segment(seg_id, size, fd, what)  # type: ignore[arg-type]
         return got
+
+    def _map_peer_segment(self, seg_id: int, size: int, fd: int, what: str) -> None:
+        """Map a segment the peer passed (its fd is closed here, or kept for relaying).
+
+        An id of :data:`MAX_SEGMENTS` or more is a segment the peer relays from another
+        process (:mod:`.shm_relay`): its state is ``id % MAX_SEGMENTS``, one of the relay
+        slots, and it replaces what that slot carried before."""
+        try:
+            if seg_id >= MAX_SEGMENTS:
+                slot = seg_id % MAX_SEGMENTS
+                if slot < FIRST_RELAY_SLOT or os.fstat(fd).st_size < size:
+                    raise ProtocolMismatchError(
+                        f"{what} with {self._peer}: a relayed segment that is not one "
+                        f"(slot {slot}, {size} bytes); the connection is closed")
+                old = self._relayed.pop(slot, None)
+                if old is not None:
+                    self._peer_segments.pop(old, None)
+                self._relayed[slot] = seg_id
+            seg = Segment(seg_id, size, map_fd(fd, size))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._peer_segments[seg_id] = seg
+        if shm_relay.enabled() and seg_id < MAX_SEGMENTS:
+            shm_relay.register(seg.tensor.data_ptr(), fd, size)  # it keeps the fd
+        else:
+            os.close(fd)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -293,10 +328,17 @@ class ShmTransport(Transport):
     def _next_record(self, deadline: float | None) -> tuple[int, int, int]:
         return RECORD.unpack(self._read(None, RECORD.size, deadline))
 
-    def _peer_segment(self, seg_id: int, deadline: float | None) -> Segment:
+    def _peer_segment(self, seg_id: int, n: int, deadline: float | None) -> Segment:
+        """The peer's segment ``seg_id`` (mapped once its fd arrives), checked to hold
+        a payload of ``n`` bytes."""
         while seg_id not in self._peer_segments:
             self._read_sock(self._in_sock, True, deadline, "shm recv")
-        return self._peer_segments[seg_id]
+        seg = self._peer_segments[seg_id]
+        if n > seg.size:
+            raise ProtocolMismatchError(
+                f"shm recv with {self._peer}: a {n}-byte payload in a {seg.size}-byte "
+                "segment; the connection is closed")
+        return seg
 
     def _check_size(self, expected: int, got: int) -> None:
         if expected != got:
@@ -327,9 +369,9 @@ class ShmTransport(Transport):
             kind, seg_id, n = self._next_record(deadline)
             self._check_size(t.numel(), n)
             if kind == SEGMENT:
-                seg = self._peer_segment(seg_id, deadline)
+                seg = self._peer_segment(seg_id, n, deadline)
                 bulk_copy.copy(t, seg.tensor[:n])
-                self._in.states[seg_id] = 0
+                self._in.states[seg_id % MAX_SEGMENTS] = 0
             elif kind == HANDED_RECORD:
                 t.copy_(self._map_handed(n, deadline))
             elif n:
@@ -338,7 +380,8 @@ class ShmTransport(Transport):
     def recv_new(self, sizes: Sequence[int], timeout: float | None) -> list[torch.Tensor]:
         """Receive payloads of ``sizes`` bytes; large ones as zero-copy views of segments
         (the segment returns to the sender's pool when the view is freed), or copied
-        into pooled buffers while this side holds :data:`_PIN_LIMIT` segments."""
+        into pooled buffers while this side holds :data:`_PIN_LIMIT` segments (a
+        relaying process: all but :data:`_RELAY_SPARE`)."""
         if self._closed:
             raise self._lost("shm recv")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -347,15 +390,16 @@ class ShmTransport(Transport):
             kind, seg_id, n = self._next_record(deadline)
             self._check_size(size, n)
             if kind == SEGMENT:
-                seg = self._peer_segment(seg_id, deadline)
-                if self._pinned() <= _PIN_LIMIT:  # counting this one
+                seg = self._peer_segment(seg_id, n, deadline)
+                state = seg_id % MAX_SEGMENTS
+                if self._pinned() <= self._pin_limit:  # counting this one
                     arr = np.frombuffer(seg.mm, dtype=np.uint8, count=n)
-                    weakref.finalize(arr, release_segment, self._in.states, seg_id)
+                    weakref.finalize(arr, release_segment, self._in.states, state)
                     out.append(torch.from_numpy(arr))
                 else:  # this side keeps many views: copy, so the sender keeps segments
                     t = pool.take(n)
                     bulk_copy.copy(t, seg.tensor[:n])
-                    release_segment(self._in.states, seg_id)
+                    release_segment(self._in.states, state)
                     out.append(t)
             elif kind == HANDED_RECORD:
                 out.append(self._map_handed(n, deadline))
@@ -379,11 +423,14 @@ class ShmTransport(Transport):
             os.close(fd)
 
     def _pinned(self) -> int:
-        """How many of the peer's segments are in flight to, or held by, this side."""
-        return int(np.count_nonzero(self._in.states[: len(self._peer_segments)]))
+        """How many of the peer's segments (its own and relayed ones) are in flight to,
+        or held by, this side."""
+        return int(np.count_nonzero(self._in.states))
 
     def close(self) -> None:
         self._closed = True
+        if shm_relay.enabled():
+            shm_relay.forget([seg.tensor.data_ptr() for seg in self._peer_segments.values()])
         self._signals.close()
         while self._handed:
             os.close(self._handed.popleft()[0])

@@ -27,8 +27,11 @@ RING_BYTES = get_settings().shm_ring_bytes
 SEGMENT_THRESHOLD = get_settings().shm_segment_threshold
 #: Most bytes of segments one direction keeps; past it, payloads stream through the ring.
 POOL_BYTES = get_settings().shm_pool_bytes
-#: Most segments one direction may have.
+#: Segment states of one direction (own segments, then relayed ones).
 MAX_SEGMENTS = 1024
+#: The top states carry segments relayed from other peers (:mod:`.shm_relay`).
+RELAY_SLOTS = 64
+FIRST_RELAY_SLOT = MAX_SEGMENTS - RELAY_SLOTS
 #: Bytes of a ring's control block, before its data.
 CTRL_BYTES = 4096
 #: Byte offsets in the control block: the counters and flags, then the segment states.
@@ -156,7 +159,7 @@ class SegmentPool:
         if (
             in_use >= self._max_in_flight
             or self._bytes + size > POOL_BYTES
-            or len(self.segments) >= MAX_SEGMENTS
+            or len(self.segments) >= FIRST_RELAY_SLOT
         ):
             return None
         seg_id = len(self.segments)

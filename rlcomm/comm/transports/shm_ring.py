@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlcomm.comm.transports import bulk_copy, shm_handover
+from rlcomm.comm.transports import bulk_copy, shm_handover, shm_relay
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
     HEAD,
@@ -29,8 +29,9 @@ from rlcomm.errors import CommTimeoutError
 #: A ring record's head: kind, segment id, nbytes.
 RECORD = struct.Struct("<IIQ")
 INLINE, SEGMENT, FRAME, HANDED_RECORD = 1, 2, 3, 4
-#: Where a payload tensor's memory is handed over: ``(fd, offset, nbytes)``, else None.
-HandedOver = tuple[int, int, int] | None
+#: Where a payload tensor's memory is handed over: ``(fd, offset, nbytes)`` of a block of
+#: :mod:`.shm_handover`, a peer's segment this process relays (:mod:`.shm_relay`), or None.
+HandedOver = tuple[int, int, int] | shm_relay.Mapped | None
 
 
 class RingWriter:
@@ -53,6 +54,8 @@ class RingWriter:
         self._signals = signals
         self._peer = peer
         self._max_in_flight = max_in_flight
+        self._relay = (shm_relay.RelaySlots(ring.states, signals.send_fd)
+                       if shm_relay.enabled() else None)
 
     def wake_reader(self) -> None:
         """Send a token after new data, if the peer's reader sleeps (else it sees the data
@@ -115,14 +118,24 @@ class RingWriter:
             self._wait_token(deadline)
         words[WAITING // 8] = 0
 
-    @staticmethod
-    def handed_over(payload: Sequence[torch.Tensor]) -> list[HandedOver] | None:
-        """Where each payload tensor's memory is handed over (None: none is)."""
-        if not payload or not shm_handover.has_blocks():
+    def handed_over(self, payload: Sequence[torch.Tensor]) -> list[HandedOver] | None:
+        """Where each payload tensor's memory is handed over or relayed (None: none is)."""
+        if not payload:
             return None
-        handed = [shm_handover.find(t) if t.numel() >= SEGMENT_THRESHOLD else None
-                  for t in payload]
-        return handed if any(handed) else None
+        blocks = shm_handover.has_blocks()
+        relaying = self._relay is not None and shm_relay.active()
+        if not blocks and not relaying:
+            return None
+        handed: list[HandedOver] = []
+        for t in payload:
+            h: HandedOver = None
+            if t.numel() >= SEGMENT_THRESHOLD:
+                if blocks:
+                    h = shm_handover.find(t)
+                if h is None and relaying:
+                    h = shm_relay.find(t)
+            handed.append(h)
+        return handed if any(h is not None for h in handed) else None
 
     def reserve(
         self, frame_bytes: int, payload: Sequence[torch.Tensor], deadline: float,
@@ -174,11 +187,16 @@ class RingWriter:
         for k, t in enumerate(tensors):
             n = t.numel()
             block = handed[k] if handed else None
-            if block is not None:  # only the fd travels
+            if type(block) is tuple:  # only the fd travels
                 fd, offset, nbytes = block
                 self._signals.send_handed(fd, offset, nbytes, deadline)
                 self.write(RECORD.pack(HANDED_RECORD, 0, n), deadline)
                 continue
+            if block is not None and self._relay is not None:  # the peer's segment goes on
+                relay_id = self._relay.take(block, t, deadline)
+                if relay_id is not None:
+                    self.write(RECORD.pack(SEGMENT, relay_id, n), deadline)
+                    continue
             seg = segments[k] if segments else None
             if seg is None and n >= SEGMENT_THRESHOLD:
                 seg = self._pool.take(n, deadline)
