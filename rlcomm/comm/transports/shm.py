@@ -168,13 +168,16 @@ class ShmTransport(Transport):
                 if old is not None:
                     self._peer_segments.pop(old, None)
                 self._relayed[slot] = seg_id
-            seg = Segment(seg_id, size, map_fd(fd, size))
+            # Not pre-faulted: a new segment's pages are the sender's to fault in (its
+            # copy is split across threads), and this side's first reads then only map
+            # them. Populating here raced the sender and zeroed them on one thread.
+            seg = Segment(seg_id, size, map_fd(fd, size, populate=False))
         except BaseException:
             os.close(fd)
             raise
         self._peer_segments[seg_id] = seg
         if shm_relay.enabled() and seg_id < MAX_SEGMENTS:
-            shm_relay.register(seg.tensor.data_ptr(), fd, size)  # it keeps the fd
+            shm_relay.register(seg.tensor.data_ptr(), fd, size, seg.mm)  # it keeps the fd
         else:
             os.close(fd)
 

@@ -56,11 +56,14 @@ class Mapped:
     """A peer's segment mapped in this process: its memfd and size, and a key that no
     other mapping ever gets."""
 
-    __slots__ = ("fd", "size", "key", "alive")
+    __slots__ = ("fd", "size", "key", "alive", "_mapping")
 
-    def __init__(self, fd: int, size: int):
+    def __init__(self, fd: int, size: int, mapping: Any):
         self.fd, self.size, self.key = fd, size, next(_keys)
         self.alive = True  # until forgotten (its fd is then closed)
+        # Held so that the address stays this mapping's for as long as it is registered
+        # (an unmapped range could be reused by other memory, found here by mistake).
+        self._mapping = mapping
 
 
 _mapped: dict[int, Mapped] = {}  # by the address the mapping starts at
@@ -82,11 +85,12 @@ def active() -> bool:
     return _enabled and bool(_mapped)
 
 
-def register(base: int, fd: int, size: int) -> None:
-    """Keep ``fd`` (now owned here) for the peer segment mapped at address ``base``."""
+def register(base: int, fd: int, size: int, mapping: Any) -> None:
+    """Keep ``fd`` (now owned here) for the peer segment ``mapping`` (an mmap) mapped at
+    address ``base``; the mapping is kept alive until :func:`forget`."""
     with _lock:
         old = _mapped.pop(base, None)
-        _mapped[base] = Mapped(fd, size)
+        _mapped[base] = Mapped(fd, size, mapping)
         if old is not None:
             old.alive = False
             os.close(old.fd)
@@ -100,6 +104,7 @@ def forget(bases: Iterable[int]) -> None:
             m = _mapped.pop(b, None)
             if m is not None:
                 m.alive = False
+                m._mapping = None
                 os.close(m.fd)
 
 
