@@ -154,34 +154,6 @@ class Channel(AsyncChannelOps):
             return found
         return cls(lifecycle.lookup(channel_name, timeout))
 
-    # -- properties -------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        return self._info.name
-
-    @property
-    def maxsize(self) -> int:
-        """The most items queued per key (0: unbounded)."""
-        return self._info.maxsize
-
-    @property
-    def item_type(self) -> Any:
-        return self._info.item_type
-
-    @property
-    def distributed(self) -> bool:
-        return self._info.distributed
-
-    @property
-    def local(self) -> bool:
-        return self._info.local
-
-    @property
-    def worker_group_name(self) -> str:
-        """The worker group of the channel workers (``channel.<name>``; "" if local)."""
-        return self._info.group_name
-
     # -- puts -------------------------------------------------------------------------------
 
     def put(

@@ -27,6 +27,7 @@ import torch
 
 from rlcomm.channel import protocol as P
 from rlcomm.channel.handle import ITEMS, ONE_ITEM, VALUE, Pending, RequestWork
+from rlcomm.channel.writebehind import WriteBehind
 from rlcomm.errors import (
     ChannelClosedError,
     ChannelEmpty,
@@ -46,7 +47,7 @@ Entry = tuple[P.Request, list[torch.Tensor]]
 
 
 
-class Requester:
+class Requester(WriteBehind):
     """Request ids and futures of one channel worker (see the module docstring).
 
     Args:
@@ -63,13 +64,7 @@ class Requester:
         self._pending: dict[int, Pending] = {}
         self._rids = itertools.count()
         self._lost: BaseException | None = None
-        # Write-behind puts (see put_behind): how many were sent, how many a Sync covered,
-        # and the first that was not enqueued (raised by the next put or settle).
-        self._behind_sent = 0
-        self._behind_settled = 0
-        self._unaccepted: BaseException | None = None
-        self._unaccepted_count = 0
-        self._closed_seen = False  # a reply said the channel is closed (it stays so)
+        self._init_write_behind()
 
     # -- to be provided by a subclass -------------------------------------------------------
 
@@ -114,106 +109,6 @@ class Requester:
     def unget(self, key: P.Key, entries: list[tuple[Any, float]]) -> None:
         """Put back items :meth:`prefetched_upto` took, ahead of the key."""
 
-
-    # -- write-behind puts ----------------------------------------------------------------------
-
-    #: Whether a blocking put may return before the worker accepted its item (a channel
-    #: worker's unbounded channel; see :meth:`put_behind`).
-    writes_behind = False
-
-    def put_behind(self, req: P.Put, tensors: list[torch.Tensor]) -> None:
-        """Send a put without waiting for the worker: it is applied in order after this
-        process's earlier requests, and answered only if it is not enqueued (raised by
-        a later :meth:`put_behind` or :meth:`settle`).
-
-        Raises:
-            ChannelLostError: the worker is gone.
-            ChannelClosedError: an earlier write-behind put was not enqueued.
-        """
-        req.rid = P.NO_REPLY
-        with self._lock:
-            if self._lost is not None:
-                raise self._lost_error("put", req.key)
-            if self._closed_seen and self._unaccepted is None:
-                raise ChannelClosedError(f"channel {self.channel!r}: put on key {req.key!r}: "
-                                         "the channel is closed; the item was not enqueued")
-            unaccepted = self._take_unaccepted()
-            if unaccepted is None:
-                self._behind_sent += 1
-        if unaccepted is not None:
-            raise unaccepted
-        self._post([(req, tensors)], True)
-
-    @property
-    def unsettled(self) -> bool:
-        """Whether write-behind puts were sent since the last :meth:`settle` covered them,
-        or one was not enqueued and no call has raised it yet."""
-        return self._behind_sent != self._behind_settled or self._unaccepted is not None
-
-    def settle(self, timeout: float, report: bool = True) -> None:
-        """Wait until the worker applied every write-behind put sent so far (one
-        ``Sync`` round trip; none when there is nothing to wait for). With ``report``
-        False, a refusal or a lost worker is left for this link's next put or settle
-        to raise, and only a timeout raises here.
-
-        Raises:
-            ChannelClosedError: one of them was not enqueued (the channel was closed).
-            ChannelLostError: the worker is gone (they may be lost with it).
-            CommTimeoutError: no answer within ``timeout``.
-        """
-        with self._lock:
-            sent = self._behind_sent
-            waits = sent != self._behind_settled
-        if waits:
-            if self._lost is None:
-                try:
-                    self.request(P.Sync(P.NO_REPLY), timeout, None, True).wait()
-                except ChannelLostError:
-                    pass
-            if self._lost is not None:
-                if not report:
-                    return
-                with self._lock:
-                    self._behind_settled = self._behind_sent
-                raise ChannelLostError(
-                    f"channel {self.channel!r}: the channel worker {self.where} is gone "
-                    f"({self._lost}); puts this process sent without waiting for it may "
-                    "not have reached it")
-            with self._lock:
-                self._behind_settled = max(self._behind_settled, sent)
-        if not report:
-            return
-        with self._lock:
-            unaccepted = self._take_unaccepted()
-        if unaccepted is not None:
-            raise unaccepted
-
-    def note_unaccepted(self, key: P.Key, status: int, cause: str = "") -> None:
-        """A write-behind put on ``key`` was not enqueued (``status`` says why)."""
-        where = f"channel {self.channel!r}: put on key {key!r} (sent without waiting)"
-        if status == P.CLOSED:
-            exc: BaseException = ChannelClosedError(
-                f"{where} was not enqueued: the channel was closed before it reached "
-                f"{self.where}")
-        else:
-            exc = ChannelError(f"{where} was not enqueued by {self.where} "
-                               f"({cause or P.Status(status).name}; see that worker's log)")
-        logger.warning("%s", exc)
-        with self._lock:
-            self._closed_seen |= status == P.CLOSED
-            self._unaccepted_count += 1
-            if self._unaccepted is None:
-                self._unaccepted = exc
-
-    def _take_unaccepted(self) -> BaseException | None:
-        """The first unaccepted write-behind put's error, then forgotten (under the lock)."""
-        exc, n = self._unaccepted, self._unaccepted_count
-        if exc is None:
-            return None
-        self._unaccepted, self._unaccepted_count = None, 0
-        if n > 1:
-            exc.args = (f"{exc.args[0]} (and {n - 1} more such puts)",)
-        return exc
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -16,11 +16,41 @@ from rlcomm.comm.work import AsyncWork
 
 
 class ChannelRequests:
-    """The request-sending internals of :class:`~rlcomm.Channel` (a base class: they use
-    its ``name`` and ``_info``)."""
+    """A base of :class:`~rlcomm.Channel`: the facts of its layout (read from its
+    ``_info``) and how its requests are sent."""
 
-    name: str
     _info: Any
+
+    # -- the layout ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._info.name
+
+    @property
+    def maxsize(self) -> int:
+        """The most items queued per key (0: unbounded)."""
+        return self._info.maxsize
+
+    @property
+    def item_type(self) -> Any:
+        return self._info.item_type
+
+    @property
+    def distributed(self) -> bool:
+        return self._info.distributed
+
+    @property
+    def local(self) -> bool:
+        return self._info.local
+
+    @property
+    def worker_group_name(self) -> str:
+        """The worker group of the channel workers (``channel.<name>``; "" if local)."""
+        return self._info.group_name
+
+    # -- sending ------------------------------------------------------------------------------
+
 
     def _check_item(self, item: Any, key: P.Key, op: str) -> None:
         check_put(self.name, self._info.item_type, item, key, op)

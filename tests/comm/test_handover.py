@@ -17,7 +17,7 @@ import torch
 
 import rlcomm
 from rlcomm import AuthenticationError, NodePlacementStrategy, ProtocolMismatchError, Worker
-from rlcomm.comm.transports import shm, shm_handover, shm_ring
+from rlcomm.comm.transports import shm, shm_handover, shm_peer, shm_ring
 from rlcomm.comm.transports.shm_memory import sealed_memfd
 from tests.comm.pairs import transport_pair, two_stores
 
@@ -158,7 +158,7 @@ def test_a_forged_handed_over_fd_is_refused(ends, make_fd, error, match):
 def test_fds_passed_ahead_of_any_message_are_bounded(ends, monkeypatch):
     """A peer that floods the signal socket with handed-over fds no message uses fails
     the connection instead of filling this process's fd table."""
-    monkeypatch.setattr(shm, "_MAX_HANDED_AHEAD", 3)
+    monkeypatch.setattr(shm_peer, "MAX_HANDED_AHEAD", 3)
     a, b = ends
     before = _open_fds()
     fd = sealed_memfd("flood", 4096)

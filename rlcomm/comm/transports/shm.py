@@ -35,7 +35,6 @@ import select
 import socket
 import time
 import weakref
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,7 +45,6 @@ from rlcomm.comm.transports import bulk_copy, pool, registry, shm_handover, shm_
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
-    FIRST_RELAY_SLOT,
     HEAD,
     MAX_SEGMENTS,
     RING_BYTES,
@@ -60,10 +58,11 @@ from rlcomm.comm.transports.shm_memory import (
     new_memfd,
     release_segment,
 )
+from rlcomm.comm.transports.shm_peer import PeerSegments
 from rlcomm.comm.transports.shm_ring import FRAME, HANDED_RECORD, RECORD, SEGMENT, RingWriter
 from rlcomm.comm.transports.shm_signals import HANDED, SignalSockets
 from rlcomm.comm.transports.shm_wait import ShmWaiter, Spin, wait_for_data
-from rlcomm.errors import CommTimeoutError, PeerLostError, ProtocolMismatchError
+from rlcomm.errors import CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
 #: The ring's lock-free counters rely on x86-64 keeping stores in order.
@@ -78,9 +77,6 @@ _PIN_LIMIT = _MAX_IN_FLIGHT // 2
 #: saves. It leaves the sender this many segments for what is on its way.
 _RELAY_SPARE = 8
 
-#: Most handed-over fds a peer may pass ahead of the messages that use them (each is an
-#: open file descriptor here until its message is read).
-_MAX_HANDED_AHEAD = 4096
 
 class ShmTransport(Transport):
     """Same-node connection over shared memory (see module docstring).
@@ -119,11 +115,9 @@ class ShmTransport(Transport):
         self._spin = Spin()  # of this transport's own waits for data
         self._pool = SegmentPool(self._out.states, self._signals.send_fd, _MAX_IN_FLIGHT)
         self._writer = RingWriter(self._out, self._pool, self._signals, peer, _MAX_IN_FLIGHT)
-        self._peer_segments: dict[int, Segment] = {}  # incoming, mapped on first sight
-        self._relayed: dict[int, int] = {}  # incoming relay slot -> its id now
+        self._segments = PeerSegments(peer)  # incoming, mapped on first sight
         self._pin_limit = (max(_PIN_LIMIT, _MAX_IN_FLIGHT - _RELAY_SPARE)
                            if shm_relay.enabled() else _PIN_LIMIT)
-        self._handed: deque[tuple[int, int, int]] = deque()  # incoming (fd, offset, nbytes)
 
     # -- notifications ----------------------------------------------------------------------
 
@@ -140,46 +134,10 @@ class ShmTransport(Transport):
         if new_segment is not None:
             seg_id, size, fd = new_segment
             if seg_id == HANDED:  # mapped when its record is read
-                if len(self._handed) >= _MAX_HANDED_AHEAD:
-                    os.close(fd)
-                    raise ProtocolMismatchError(
-                        f"{what} with {self._peer}: the peer passed over {_MAX_HANDED_AHEAD} "
-                        "handed-over blocks that no message uses; the connection is closed"
-                    )
-                self._handed.append((fd, *size))  # type: ignore[misc]
+                self._segments.hand(fd, size, what)  # type: ignore[arg-type]
                 return got
-            self._map_peer_segment(seg_id, size, fd, what)  # type: ignore[arg-type]
+            self._segments.map(seg_id, size, fd, what)  # type: ignore[arg-type]
         return got
-
-    def _map_peer_segment(self, seg_id: int, size: int, fd: int, what: str) -> None:
-        """Map a segment the peer passed (its fd is closed here, or kept for relaying).
-
-        An id of :data:`MAX_SEGMENTS` or more is a segment the peer relays from another
-        process (:mod:`.shm_relay`): its state is ``id % MAX_SEGMENTS``, one of the relay
-        slots, and it replaces what that slot carried before."""
-        try:
-            if seg_id >= MAX_SEGMENTS:
-                slot = seg_id % MAX_SEGMENTS
-                if slot < FIRST_RELAY_SLOT or os.fstat(fd).st_size < size:
-                    raise ProtocolMismatchError(
-                        f"{what} with {self._peer}: a relayed segment that is not one "
-                        f"(slot {slot}, {size} bytes); the connection is closed")
-                old = self._relayed.pop(slot, None)
-                if old is not None:
-                    self._peer_segments.pop(old, None)
-                self._relayed[slot] = seg_id
-            # Not pre-faulted: a new segment's pages are the sender's to fault in (its
-            # copy is split across threads), and this side's first reads then only map
-            # them. Populating here raced the sender and zeroed them on one thread.
-            seg = Segment(seg_id, size, map_fd(fd, size, populate=False))
-        except BaseException:
-            os.close(fd)
-            raise
-        self._peer_segments[seg_id] = seg
-        if shm_relay.enabled() and seg_id < MAX_SEGMENTS:
-            shm_relay.register(seg.tensor.data_ptr(), fd, size, seg.mm)  # it keeps the fd
-        else:
-            os.close(fd)
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -334,14 +292,9 @@ class ShmTransport(Transport):
     def _peer_segment(self, seg_id: int, n: int, deadline: float | None) -> Segment:
         """The peer's segment ``seg_id`` (mapped once its fd arrives), checked to hold
         a payload of ``n`` bytes."""
-        while seg_id not in self._peer_segments:
+        while seg_id not in self._segments.by_id:
             self._read_sock(self._in_sock, True, deadline, "shm recv")
-        seg = self._peer_segments[seg_id]
-        if n > seg.size:
-            raise ProtocolMismatchError(
-                f"shm recv with {self._peer}: a {n}-byte payload in a {seg.size}-byte "
-                "segment; the connection is closed")
-        return seg
+        return self._segments.checked(seg_id, n)
 
     def _check_size(self, expected: int, got: int) -> None:
         if expected != got:
@@ -416,9 +369,9 @@ class ShmTransport(Transport):
     def _map_handed(self, n: int, deadline: float | None) -> torch.Tensor:
         """A copy-on-write view of the next handed-over block, whose record said ``n``
         bytes (its fd arrived on the signal socket before the record)."""
-        while not self._handed:
+        while not self._segments.handed:
             self._read_sock(self._in_sock, True, deadline, "shm recv")
-        fd, offset, nbytes = self._handed.popleft()
+        fd, offset, nbytes = self._segments.handed.popleft()
         try:
             self._check_size(n, nbytes)
             return shm_handover.map_received(fd, offset, nbytes, f"shm recv from {self._peer}")
@@ -426,17 +379,13 @@ class ShmTransport(Transport):
             os.close(fd)
 
     def _pinned(self) -> int:
-        """How many of the peer's segments (its own and relayed ones) are in flight to,
-        or held by, this side."""
-        return int(np.count_nonzero(self._in.states))
+        return self._segments.pinned(self._in.states)
 
     def close(self) -> None:
         self._closed = True
-        if shm_relay.enabled():
-            shm_relay.forget([seg.tensor.data_ptr() for seg in self._peer_segments.values()])
+        self._segments.close()
         self._signals.close()
-        while self._handed:
-            os.close(self._handed.popleft()[0])
+
 
 
 def _shm(setup: registry.TransportSetup) -> ShmTransport:

@@ -96,7 +96,7 @@ def test_receiver_holding_many_views_gets_copies_and_leaves_the_sender_segments(
     # copies (their segments went back at once), so the sender's pool stops growing.
     views = [t for t in held if any(
         t.data_ptr() == np.frombuffer(seg.mm, dtype=np.uint8).ctypes.data
-        for seg in b._peer_segments.values())]
+        for seg in b._segments.by_id.values())]
     assert len(views) == shm._PIN_LIMIT
     assert b._pinned() == shm._PIN_LIMIT
     assert len(a._pool.segments) == shm._PIN_LIMIT + 1

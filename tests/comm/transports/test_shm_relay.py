@@ -76,7 +76,7 @@ def test_the_next_payload_reuses_the_slot_without_a_new_mapping(chain):
         x = _bytes(seed)
         got = _hop(relay_out, consumer, _hop(producer, relay_in, x))
         assert torch.equal(got, x)
-        ids.append(dict(consumer._relayed))
+        ids.append(dict(consumer._segments.relayed))
         del got
         gc.collect()
         _until(lambda: producer._out.states[0] == 0, "segment back")
@@ -108,9 +108,9 @@ def test_relayed_segments_only_in_relay_slots_and_never_past_a_memfds_end(chain)
     fd, _ = new_memfd("t", N)
     try:
         with pytest.raises(ProtocolMismatchError, match="relayed"):  # a slot of its own
-            consumer._map_peer_segment(3 * MAX_SEGMENTS + 5, N, os.dup(fd), "test")
+            consumer._segments.map(3 * MAX_SEGMENTS + 5, N, os.dup(fd), "test")
         with pytest.raises(ProtocolMismatchError, match="relayed"):  # larger than the file
-            consumer._map_peer_segment(3 * MAX_SEGMENTS + FIRST_RELAY_SLOT, 2 * N,
+            consumer._segments.map(3 * MAX_SEGMENTS + FIRST_RELAY_SLOT, 2 * N,
                                        os.dup(fd), "test")
     finally:
         os.close(fd)
