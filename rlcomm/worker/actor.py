@@ -11,12 +11,14 @@ before the process ends.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import logging
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +89,23 @@ def _settle_puts(name: str, failed: bool) -> None:
         settle_all()
 
 
+@contextlib.contextmanager
+def _method_end(worker: Any, name: str, log_exit: bool) -> Iterator[None]:
+    """Around a method's body: settle its channel puts once it returned (or raised),
+    and (``log_exit``) log a ``sys.exit`` inside it with the worker's address."""
+    try:
+        yield
+    except SystemExit as exc:
+        if log_exit:
+            logger.error("worker %s called sys.exit(%s) in %s()",
+                         worker.worker_address, exc.code, name)
+        raise
+    except BaseException:
+        _settle_puts(name, True)
+        raise
+    _settle_puts(name, False)
+
+
 def _wrap_method(name: str, fn: Any, log_exit: bool) -> Any:
     """``fn`` that settles its channel puts before it returns, and (``log_exit``) logs a
     ``sys.exit`` inside it with the worker's address."""
@@ -94,35 +113,15 @@ def _wrap_method(name: str, fn: Any, log_exit: bool) -> Any:
 
         @functools.wraps(fn)
         async def async_wrapper(self, *args, **kwargs):
-            try:
-                out = await fn(self, *args, **kwargs)
-            except SystemExit as exc:
-                if log_exit:
-                    logger.error("worker %s called sys.exit(%s) in %s()",
-                                 self.worker_address, exc.code, name)
-                raise
-            except BaseException:
-                _settle_puts(name, True)
-                raise
-            _settle_puts(name, False)
-            return out
+            with _method_end(self, name, log_exit):
+                return await fn(self, *args, **kwargs)
 
         return async_wrapper
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        try:
-            out = fn(self, *args, **kwargs)
-        except SystemExit as exc:
-            if log_exit:
-                logger.error("worker %s called sys.exit(%s) in %s()",
-                             self.worker_address, exc.code, name)
-            raise
-        except BaseException:
-            _settle_puts(name, True)
-            raise
-        _settle_puts(name, False)
-        return out
+        with _method_end(self, name, log_exit):
+            return fn(self, *args, **kwargs)
 
     return wrapper
 
