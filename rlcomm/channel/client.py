@@ -189,8 +189,9 @@ def settle_all(timeout: float | None = None, channel: str | None = None,
     (those of ``channel`` only, if given): a blocking ``put`` on an unbounded channel
     returns before its worker has the item, and this makes the items visible to every
     other process. Nothing to do costs nothing. With ``report`` False (before a worker
-    group's call, which is about other things), a refused put or a lost worker is left
-    for that channel's next put or flush to raise.
+    group's call, which is about other things), nothing raises: a refused put or a lost
+    worker is left for that channel's next put or flush to raise, and a worker that does
+    not answer within ``timeout`` is logged and passed over.
 
     Raises:
         ChannelClosedError: a put was not enqueued (its channel was closed first).
@@ -208,7 +209,11 @@ def settle_all(timeout: float | None = None, channel: str | None = None,
         try:
             link.settle(t, report)
         except Exception as exc:  # noqa: BLE001 - the others are settled first
-            first = first or exc
+            if report:
+                first = first or exc
+            else:
+                logger.warning("channel %r: puts sent without waiting are not confirmed "
+                               "yet (%s); going on", link.channel, exc)
         if link.lost and not report:
             continue
         if not link.unsettled:
@@ -231,6 +236,9 @@ def _settle_at_exit() -> None:
 
 #: Seconds a process that ends waits for its write-behind puts to be applied.
 EXIT_SETTLE_TIMEOUT = 10.0
+#: Seconds a worker group's call waits for this process's write-behind puts to be
+#: applied before it calls its workers (a frozen channel worker must not hold it up).
+CALL_SETTLE_TIMEOUT = 10.0
 atexit.register(_settle_at_exit)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 import ray
 
-from rlcomm.channel.client import settle_all
+from rlcomm.channel.client import CALL_SETTLE_TIMEOUT, settle_all
 from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster, connect_ray
 from rlcomm.comm.identity import actor_name, check_group_name, registry
 from rlcomm.errors import WorkerGroupError
@@ -270,7 +270,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         self, method: str, ranks: Sequence[int] | None, args: tuple, kwargs: dict
     ) -> GroupResult:
         self._check_live()
-        settle_all(report=False)  # the workers called see the items this process put
+        settle_all(CALL_SETTLE_TIMEOUT, report=False)  # the workers see our puts
         ranks = list(range(len(self._actors))) if ranks is None else list(ranks)
         refs = [getattr(self._actors[r], method).remote(*args, **kwargs) for r in ranks]
         return GroupResult(self._name, method, ranks, refs)  # type: ignore[arg-type]

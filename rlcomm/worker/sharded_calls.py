@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from rlcomm.channel.client import settle_all
+from rlcomm.channel.client import CALL_SETTLE_TIMEOUT, settle_all
 from rlcomm.worker.dispatch import check_signature
 from rlcomm.worker.layout import RankLayoutMixin
 from rlcomm.worker.multi_worker_future import MultiWorkerFuture
@@ -50,7 +50,7 @@ class ShardedCallsMixin(RankLayoutMixin):
     ) -> list[Any]:
         """Call ``method`` on each of ``ranks`` with that rank's own arguments; the refs."""
         self._check_live()  # type: ignore[attr-defined]
-        settle_all(report=False)  # the workers called see the items this process put
+        settle_all(CALL_SETTLE_TIMEOUT, report=False)  # the workers see our puts
         refs = []
         for rank, args, kwargs in zip(ranks, args_per_rank, kwargs_per_rank, strict=True):
             remote = getattr(self._actors[rank], method)  # type: ignore[attr-defined]

@@ -24,11 +24,15 @@ from rlcomm import (
 from rlcomm.channel import client
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.identity import actor_name
+from rlcomm.worker import group as group_module
 
 pytestmark = pytest.mark.timeout(180)
 
 
 class Putter(Worker):
+    def ping(self) -> bool:
+        return True
+
     def put_many(self, channel: Channel, n: int, key: str = "k") -> int:
         """Blocking puts; returns how many of them waited for the worker's answer
         (none should: the method's end settles them instead)."""
@@ -179,6 +183,27 @@ def test_flush_times_out_on_a_stopped_channel_worker_then_completes(cluster):
         channel.flush(timeout=30)
         assert channel.qsize(key="k") == 50
         assert [channel.get(key="k", timeout=10) for _ in range(50)] == list(range(50))
+    finally:
+        channel.shutdown()
+
+
+def test_a_group_call_is_not_held_up_by_a_stopped_channel_worker(cluster, putter, monkeypatch):
+    monkeypatch.setattr(group_module, "CALL_SETTLE_TIMEOUT", 1.0)
+    channel = Channel.create("wb_call", cluster=cluster)
+    pid = _worker_pid(channel)
+    try:
+        channel.put(0, key="k")
+        channel.flush()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            channel.put(1, key="k")  # unsettled while its worker is stopped
+            start = time.monotonic()
+            assert putter.ping().wait(timeout=60) == [True]
+            assert time.monotonic() - start < 8  # waited 1 s for the puts, then went on
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        channel.flush(timeout=30)
+        assert channel.qsize(key="k") == 2
     finally:
         channel.shutdown()
 
