@@ -5,9 +5,11 @@ and a stopped channel worker)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -164,22 +166,30 @@ def test_a_killed_channel_worker_fails_the_next_put_and_flush(cluster):
         channel.shutdown()
 
 
+@contextlib.contextmanager
+def _worker_stopped(channel: Channel) -> Iterator[None]:
+    """Item 0 put and held, then the channel worker's process stopped (SIGSTOP) for the
+    block, and resumed after it."""
+    pid = _worker_pid(channel)
+    channel.put(0, key="k")
+    channel.flush()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_flush_times_out_on_a_stopped_channel_worker_then_completes(cluster):
     channel = Channel.create("wb_stopped", cluster=cluster)
-    pid = _worker_pid(channel)
     try:
-        channel.put(0, key="k")
-        channel.flush()
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with _worker_stopped(channel):
             for i in range(1, 50):
                 channel.put(i, key="k")  # written behind: no waiting on the stopped worker
             start = time.monotonic()
             with pytest.raises(CommTimeoutError):
                 channel.flush(timeout=1.0)
             assert time.monotonic() - start < 10
-        finally:
-            os.kill(pid, signal.SIGCONT)
         channel.flush(timeout=30)
         assert channel.qsize(key="k") == 50
         assert [channel.get(key="k", timeout=10) for _ in range(50)] == list(range(50))
@@ -190,18 +200,12 @@ def test_flush_times_out_on_a_stopped_channel_worker_then_completes(cluster):
 def test_a_group_call_is_not_held_up_by_a_stopped_channel_worker(cluster, putter, monkeypatch):
     monkeypatch.setattr(group_module, "CALL_SETTLE_TIMEOUT", 1.0)
     channel = Channel.create("wb_call", cluster=cluster)
-    pid = _worker_pid(channel)
     try:
-        channel.put(0, key="k")
-        channel.flush()
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with _worker_stopped(channel):
             channel.put(1, key="k")  # unsettled while its worker is stopped
             start = time.monotonic()
             assert putter.ping().wait(timeout=60) == [True]
             assert time.monotonic() - start < 8  # waited 1 s for the puts, then went on
-        finally:
-            os.kill(pid, signal.SIGCONT)
         channel.flush(timeout=30)
         assert channel.qsize(key="k") == 2
     finally:
