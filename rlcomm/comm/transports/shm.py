@@ -387,7 +387,6 @@ class ShmTransport(Transport):
         self._signals.close()
 
 
-
 def _shm(setup: registry.TransportSetup) -> ShmTransport:
     return ShmTransport(setup.store, setup.rank, setup.timeout, setup.peer, peer_pid=setup.peer_pid)
 

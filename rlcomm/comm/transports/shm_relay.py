@@ -41,6 +41,7 @@ import torch
 from rlcomm.comm.transports.shm_memory import FIRST_RELAY_SLOT, MAX_SEGMENTS, RELAY_SLOTS
 
 __all__ = ["FIRST_RELAY_SLOT", "RELAY_SLOTS", "Mapped", "RelaySlots", "enable", "find"]
+
 #: Seconds between sweeps of held relayed tensors, while any is held.
 SWEEP_SECONDS = 0.005
 _MAX_GENERATION = (1 << 32) // MAX_SEGMENTS - 1
