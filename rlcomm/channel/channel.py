@@ -189,7 +189,10 @@ class Channel(AsyncChannelOps):
             key: the queue within the channel.
             async_op: return an :class:`~rlcomm.AsyncWork` (``wait()`` returns ``None``
                 once the item is accepted) instead of blocking. Puts posted in a row
-                travel together; do not modify the item's tensors until it is done.
+                travel together; do not modify the item's tensors until it is done. On
+                an unbounded channel an item without tensors is written behind as
+                above and its work is done at once; such puts wait a moment (at most
+                about 0.2 ms) for later requests to share their message.
             timeout: seconds to wait for room on a full key (default: rlcomm's op timeout).
 
         Raises:

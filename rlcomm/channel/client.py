@@ -23,7 +23,9 @@ every :class:`~rlcomm.Channel` handle and every thread of the process. A link
   raises that refusal, and so does :func:`settle_all`, which waits until the worker
   applied them all: a worker method runs it before it returns (so its caller sees the
   items queued), a worker group runs it before it calls its workers, ``Channel.flush``
-  runs it for one channel, and the process runs it when it exits.
+  runs it for one channel, and the process runs it when it exits. An async ``put`` of
+  an item without tensors is written behind too, and held in the outbox for company
+  (:mod:`~rlcomm.channel.outbox`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import atexit
 import concurrent.futures
 import logging
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -54,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds Ray control calls (register, describe) may take.
 CONTROL_TIMEOUT = 60.0
+#: How often held (async) write-behind puts look whether the worker is gone (seconds).
+HELD_PEEK_SECONDS = 0.001
 #: How long a pump may wait when a caller gives no timeout (it then simply waits again).
 _LONG_WAIT = 3600.0
 
@@ -87,6 +92,7 @@ class Link(Requester):
         self._outbox = Outbox(self._send, self.fail)
         self.ahead = Ahead(self._give_back, lambda: self.lost)
         self._behind_ok = maxsize == 0 and get_settings().channel_write_behind
+        self._next_peek = 0.0  # when a held put next looks whether the worker is gone
 
     @property
     def writes_behind(self) -> bool:  # type: ignore[override]
@@ -94,14 +100,18 @@ class Link(Requester):
         seen before each write (:meth:`put_behind`); over a network a put waits."""
         return self._behind_ok and self._peer.shared_memory
 
-    def put_behind(self, req: P.Put, tensors: list[torch.Tensor]) -> None:
-        if self._peer.gone():  # the connection fails: the link is lost (_on_error)
-            self.lose(PeerLostError(f"channel worker {self.where} is gone"))
-        super().put_behind(req, tensors)
+    def put_behind(self, req: P.Put, tensors: list[torch.Tensor], hold: bool = False) -> None:
+        # A blocking put looks each time; held puts (async) at most every HELD_PEEK_SECONDS.
+        now = time.monotonic() if hold else 0.0
+        if now >= self._next_peek:
+            self._next_peek = now + HELD_PEEK_SECONDS if hold else 0.0
+            if self._peer.gone():  # the connection fails: the link is lost (_on_error)
+                self.lose(PeerLostError(f"channel worker {self.where} is gone"))
+        super().put_behind(req, tensors, hold)
         _behind.add(self)
 
-    def _post(self, entries: list[Entry], inline: bool) -> None:
-        self._outbox.post(entries, inline)
+    def _post(self, entries: list[Entry], inline: bool, hold: bool = False) -> None:
+        self._outbox.post(entries, inline, hold)
 
     def _send(self, entries: list[Entry]) -> None:
         frame = P.encode(P.ClientFrame([req for req, _ in entries], self._replies_read))

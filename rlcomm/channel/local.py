@@ -26,7 +26,7 @@ class LocalLink(Requester):
         super().__init__(channel, maxsize, "(local)")
         self.core = ChannelCore(channel, maxsize, self._deliver)
 
-    def _post(self, entries: list[Entry], inline: bool) -> None:
+    def _post(self, entries: list[Entry], inline: bool, hold: bool = False) -> None:
         self.core.handle(self, [req for req, _ in entries])
 
     def _give_back(self, key: P.Key, items: list[Any], weights: list[float]) -> None:

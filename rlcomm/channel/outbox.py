@@ -19,6 +19,14 @@ process-wide pool. A channel worker gives each client's outbox a thread of its o
 sends inline only what cannot wait on the client, so a client that stops reading holds
 up its own replies and no one else's.
 
+Held entries (``post(..., hold=True)``): entries that need not leave at once (async
+puts that get no reply) wait for company. A holding post sends nothing while fewer than
+:data:`HOLD_ENTRIES` entries are queued; the queued entries leave with the next post that
+sends, or with the holding post that makes them :data:`HOLD_ENTRIES`, or, at the latest,
+:data:`HOLD_SECONDS` after the first of them was held (a flush the pool runs then). So a
+loop of such posts sends one message per :data:`HOLD_ENTRIES` entries, and a lone one
+leaves within about :data:`HOLD_SECONDS`.
+
 :meth:`Outbox.close` fails the entries still queued and every later one.
 """
 
@@ -27,12 +35,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from rlcomm.errors import CodecError
 
 logger = logging.getLogger(__name__)
+
+#: Held entries leave once this many are queued ...
+HOLD_ENTRIES = 64
+#: ... or this many seconds after the first was held.
+HOLD_SECONDS = 200e-6
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -74,6 +88,7 @@ class Outbox:
         self._flushing = False
         self._sending = 0  # entries the flusher took and has not sent (or failed) yet
         self._closed: BaseException | None = None
+        self._timer_armed = False  # a delayed flush of held entries is on its way
         #: Messages sent by posting threads, and by the executor.
         self.sent_inline = 0
         self.sent_off = 0
@@ -84,25 +99,51 @@ class Outbox:
         with self._lock:
             return len(self._entries) + self._sending
 
-    def post(self, entries: list[Any], inline: bool = True) -> None:
+    def post(self, entries: list[Any], inline: bool = True, hold: bool = False) -> None:
         """Queue ``entries``; send them now from this thread unless another is sending.
 
         Args:
             inline: ``False`` to hand the sending to the executor (or flush pool).
+            hold: the entries may wait for company (see the module docstring).
         """
+        arm = False
         with self._lock:
             closed = self._closed
             if closed is None:
                 self._entries.extend(entries)
                 if self._flushing:
                     return
-                self._flushing = True
+                if hold and len(self._entries) < HOLD_ENTRIES:
+                    if self._timer_armed:
+                        return
+                    self._timer_armed = arm = True
+                else:
+                    self._flushing = True
         if closed is not None:
             self._fail(entries, closed)
+        elif arm:
+            self._arm_timer()
         elif inline:
             self._flush(False)
         else:
             self._hand_off()
+
+    def _arm_timer(self) -> None:
+        try:
+            _flush_pool().submit(self._flush_held)
+        except RuntimeError:  # the pool is shut down (interpreter exit): send them now
+            self._flush_held(0)
+
+    def _flush_held(self, delay: float = HOLD_SECONDS) -> None:
+        """Send the held entries ``delay`` seconds on, unless a post sent them first."""
+        if delay:
+            time.sleep(delay)
+        with self._lock:
+            self._timer_armed = False
+            if self._flushing or not self._entries:
+                return
+            self._flushing = True
+        self._flush(True)
 
     def close(self, exc: BaseException) -> None:
         """Fail the entries still queued, and every later post, with ``exc``.

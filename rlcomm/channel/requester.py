@@ -68,7 +68,7 @@ class Requester(WriteBehind):
 
     # -- to be provided by a subclass -------------------------------------------------------
 
-    def _post(self, entries: list[Entry], inline: bool) -> None:
+    def _post(self, entries: list[Entry], inline: bool, hold: bool = False) -> None:
         raise NotImplementedError
 
     def prepare_item(self, item: Any) -> tuple[Any, list[torch.Tensor]]:

@@ -14,6 +14,10 @@ from rlcomm.channel.routing import REPLY_GRACE
 from rlcomm.comm.options import default_timeout
 from rlcomm.comm.work import AsyncWork
 
+#: What an async put that gets no reply returns (one for all: a finished work is never
+#: changed by waiting on it).
+_SENT = AsyncWork.completed(None, "put")
+
 
 class ChannelRequests:
     """A base of :class:`~rlcomm.Channel`: the facts of its layout (read from its
@@ -83,9 +87,16 @@ class ChannelRequests:
     def _put(self, requester: Requester, req: P.Put, timeout: float, async_op: bool) -> Any:
         """Encode the put's item (in a channel with a worker) and send it."""
         req.item, tensors = requester.prepare_item(req.item)
-        if not async_op and not req.nowait and requester.writes_behind:
-            requester.put_behind(req, tensors)
-            return None
+        if not req.nowait and requester.writes_behind:
+            if not async_op:
+                requester.put_behind(req, tensors)
+                return None
+            if not tensors:  # nothing the caller could change under it: held, unanswered
+                try:
+                    requester.put_behind(req, tensors, hold=True)
+                except Exception as exc:  # noqa: BLE001 - an async op reports it in wait()
+                    return AsyncWork.failed(exc, "put")
+                return _SENT
         return self._request(requester, req, timeout, async_op, tensors)
 
     def _request(

@@ -80,6 +80,12 @@ class AsyncWork:
         return cls(fut, description)
 
     @classmethod
+    def failed(cls, exc: BaseException, description: str = "op") -> AsyncWork:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_exception(exc)
+        return cls(fut, description)
+
+    @classmethod
     def run_in(
         cls,
         executor: concurrent.futures.Executor,

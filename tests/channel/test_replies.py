@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from rlcomm.channel import outbox as outbox_module
 from rlcomm.channel import protocol as P
 from rlcomm.channel.outbox import Outbox
 from rlcomm.channel.payload import encode_item
@@ -124,3 +126,25 @@ def test_an_outbox_hands_what_may_not_go_inline_to_its_own_thread_in_order():
     finally:
         release.set()
         executor.shutdown(wait=False)
+
+
+def test_held_entries_wait_for_company_and_leave_within_the_hold_time():
+    sent: list[list[int]] = []
+    outbox = Outbox(lambda batch: sent.append(list(batch)), lambda batch, exc: None)
+    n = outbox_module.HOLD_ENTRIES
+    outbox.post(list(range(n - 1)), hold=True)  # fewer than HOLD_ENTRIES: nothing sent yet
+    assert sent == [] and outbox.pending == n - 1
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:  # the pool's timer sends them
+        time.sleep(0.001)
+    assert sent == [list(range(n - 1))]
+
+    sent.clear()
+    for i in range(n):  # the HOLD_ENTRIES-th holding post sends them all, from its thread
+        outbox.post([i], hold=True)
+    assert sent == [list(range(n))]
+    outbox.post([100], hold=True)
+    outbox.post([101])  # a post that sends takes the held ones with it, first
+    assert sent[-1] == [100, 101] and outbox.pending == 0
+    time.sleep(outbox_module.HOLD_SECONDS * 5)  # the timer armed by [100] finds nothing
+    assert len(sent) == 2

@@ -24,6 +24,7 @@ from rlcomm import (
     Worker,
 )
 from rlcomm.channel import client
+from rlcomm.channel import outbox as outbox_module
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.identity import actor_name
 from rlcomm.worker import group as group_module
@@ -41,6 +42,19 @@ class Putter(Worker):
         for i in range(n):
             assert channel.put(i, key=key) is None
         return 0
+
+    def put_async_many(self, channel: Channel, n: int, key: str) -> int:
+        """Async puts without tensors: each work is done at once (no reply to wait
+        for); returns how many messages they went in."""
+        channel.put(-1, key="warm")  # the first put of a link waits: it connects
+        outbox = _link(channel, key)._outbox  # type: ignore[attr-defined]
+        before = outbox.sent_inline + outbox.sent_off
+        for i in range(n):
+            assert channel.put(i, weight=1, key=key, async_op=True).done()
+        return outbox.sent_inline + outbox.sent_off - before
+
+    def get_one(self, channel: Channel, key: str) -> object:
+        return channel.get(key=key, timeout=60)
 
     def put_then_close_then_put(self, channel: Channel) -> tuple[str, str]:
         """A put, then the channel closed by this process, then a put: what the second
@@ -109,6 +123,32 @@ def test_a_put_then_a_get_of_the_same_process_see_each_other(cluster):
         channel.shutdown()
 
 
+def test_async_puts_without_tensors_travel_together_unanswered(cluster, putter):
+    channel = Channel.create("wb_async", cluster=cluster)
+    try:
+        messages = putter.put_async_many(channel, 1000, "k").wait(timeout=120)[0]
+        assert messages <= 1000 // outbox_module.HOLD_ENTRIES + 5, messages
+        assert channel.qsize("k") == 1000  # the method's end settled them
+        assert channel.get_batch(1000, key="k", timeout=10) == list(range(1000))
+
+        # A lone async put leaves on its own (the hold timer): this process makes no
+        # other call while a consumer already waits for it.
+        waiting = putter.get_one(channel, "lone")
+        time.sleep(0.5)
+        work = channel.put("alone", key="lone", async_op=True)
+        assert work.done()
+        assert waiting.wait(timeout=30) == ["alone"]
+
+        # An item with tensors is answered as before: its work is done once the worker
+        # holds it (the caller may change the tensor after that).
+        t = torch.ones(4)
+        channel.put(t, key="t", async_op=True).wait(timeout=30)
+        t.zero_()
+        assert torch.equal(channel.get(key="t", timeout=10), torch.ones(4))
+    finally:
+        channel.shutdown()
+
+
 def test_a_put_after_the_channel_closed_is_never_silently_dropped(cluster, putter):
     channel = Channel.create("wb_closed", cluster=cluster)
     try:
@@ -160,6 +200,9 @@ def test_a_killed_channel_worker_fails_the_next_put_and_flush(cluster):
             with pytest.raises(ChannelLostError, match="wb_killed2"):
                 for _ in range(100):  # the first put after the death is seen raises
                     other.put("y", key="k")
+            # An async put now: its work reports the loss.
+            with pytest.raises(ChannelLostError, match="wb_killed2"):
+                other.put("z", key="k", async_op=True).wait(timeout=10)
         finally:
             other.shutdown()
     finally:

@@ -16,6 +16,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 import uuid
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 _CRED = struct.Struct("3i")  # pid, uid, gid
 
 _TOKEN = b"t"
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: IntFlag arithmetic is slow
 _FD_BYTES = 4  # a C int
 _FD_SPACE = socket.CMSG_SPACE(_FD_BYTES)  # room for one file descriptor per message
 _SEGMENT = struct.Struct("<IQ")  # segment id, size: the data of an fd message after b"f"
@@ -75,6 +77,9 @@ class SignalSockets:
         for sock in (out, inn):
             sock.settimeout(None)
         self._pollers: dict[tuple[int, int | None], select.poll] = {}
+        self._quiet = select.poll()  # peer_gone's first look: nothing came in at all
+        self._quiet.register(inn.fileno(), select.POLLIN)
+        self._quiet_lock = threading.Lock()  # one poll() at a time on a poll object
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -160,9 +165,17 @@ class SignalSockets:
 
     def peer_gone(self) -> bool:
         """Whether the peer closed its end (it ended), seen without waiting or reading:
-        one non-blocking peek at the incoming socket."""
+        a poll that returns at once, and a non-blocking peek when something came in
+        (several times cheaper than the peek alone, which raises when nothing did)."""
+        if self._quiet_lock.acquire(blocking=False):
+            try:
+                quiet = not self._quiet.poll(0)
+            finally:
+                self._quiet_lock.release()
+            if quiet:
+                return False
         try:
-            return not self.inn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return not self.inn.recv(1, _PEEK)
         except BlockingIOError:
             return False
         except OSError as exc:
