@@ -32,7 +32,7 @@ class AsyncChannelOps(ChannelRequests):
         self._check_item(item, key, "put")
         t = self._timeout(timeout)
         requester = await self._router.arequester(key)
-        await self._put(requester, P.Put(P.NO_REPLY, key, weight, t, item), t, True)
+        await self._put(requester, P.Put(P.NO_REPLY, key, weight, t, item), t, True, False)
 
     async def aget(self, key: P.Key = "default", timeout: float | None = None) -> Any:
         """:meth:`get` for asyncio. Cancelling the awaiting task withdraws the request;

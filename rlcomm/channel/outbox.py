@@ -22,10 +22,12 @@ up its own replies and no one else's.
 Held entries (``post(..., hold=True)``): entries that need not leave at once (async
 puts that get no reply) wait for company. A holding post sends nothing while fewer than
 :data:`HOLD_ENTRIES` entries are queued; the queued entries leave with the next post that
-sends, or with the holding post that makes them :data:`HOLD_ENTRIES`, or, at the latest,
-:data:`HOLD_SECONDS` after the first of them was held (a flush the pool runs then). So a
-loop of such posts sends one message per :data:`HOLD_ENTRIES` entries, and a lone one
-leaves within about :data:`HOLD_SECONDS`.
+sends, or with the holding post that makes them :data:`HOLD_ENTRIES` (sent as that post
+asks: inline or not), or, at the latest, :data:`HOLD_SECONDS` after the first of them was
+held (a flush the pool runs then). A flusher sends what is queued when it starts; after
+that, held entries fewer than :data:`HOLD_ENTRIES` stay for company. So a loop of such
+posts sends about one message per :data:`HOLD_ENTRIES` entries, and a lone one leaves
+within about :data:`HOLD_SECONDS`.
 
 :meth:`Outbox.close` fails the entries still queued and every later one.
 """
@@ -89,6 +91,7 @@ class Outbox:
         self._sending = 0  # entries the flusher took and has not sent (or failed) yet
         self._closed: BaseException | None = None
         self._timer_armed = False  # a delayed flush of held entries is on its way
+        self._unheld = 0  # queued entries posted without hold (they go at once)
         #: Messages sent by posting threads, and by the executor.
         self.sent_inline = 0
         self.sent_off = 0
@@ -111,6 +114,8 @@ class Outbox:
             closed = self._closed
             if closed is None:
                 self._entries.extend(entries)
+                if not hold:
+                    self._unheld += len(entries)
                 if self._flushing:
                     return
                 if hold and len(self._entries) < HOLD_ENTRIES:
@@ -155,7 +160,7 @@ class Outbox:
             if self._closed is not None:
                 return
             self._closed = exc
-            queued, self._entries = self._entries, []
+            queued, self._entries, self._unheld = self._entries, [], 0
         if queued:
             self._fail(queued, exc)
 
@@ -165,23 +170,36 @@ class Outbox:
             (self._executor or _flush_pool()).submit(self._flush, True)
         except RuntimeError as exc:  # the executor was shut down: the outbox is done
             with self._lock:
-                queued, self._entries = self._entries, []
+                queued, self._entries, self._unheld = self._entries, [], 0
                 self._flushing = False
             if queued:
                 self._fail(queued, exc)
 
     def _flush(self, off_poster: bool) -> None:
+        first = True
         while True:
+            arm = False
             with self._lock:
-                batch, self._entries = self._entries, []
-                if not batch:
+                batch = self._entries
+                # After the first message, held entries too few to go wait for company.
+                wait = not first and not self._unheld and len(batch) < HOLD_ENTRIES
+                if not batch or wait:
                     self._flushing = False
                     self._sending = 0
-                    return
-                self._sending = len(batch)
+                    if batch and not self._timer_armed:
+                        self._timer_armed = arm = True
+                else:
+                    self._entries, self._unheld = [], 0
+                    self._sending = len(batch)
+            if not batch or wait:
+                if arm:
+                    self._arm_timer()
+                return
+            first = False
             if not off_poster and self._may_inline is not None and not self._may_inline(batch):
                 with self._lock:  # back to the head, and the rest goes off this thread
                     self._entries[:0] = batch
+                    self._unheld += len(batch)
                     self._sending = 0
                 self._hand_off()
                 return

@@ -84,8 +84,10 @@ class ChannelRequests:
             return work if async_op else work.wait()
         return work
 
-    def _put(self, requester: Requester, req: P.Put, timeout: float, async_op: bool) -> Any:
-        """Encode the put's item (in a channel with a worker) and send it."""
+    def _put(self, requester: Requester, req: P.Put, timeout: float, async_op: bool,
+             inline: bool = True) -> Any:
+        """Encode the put's item (in a channel with a worker) and send it; ``inline``
+        False: an async put never sends from this thread (an asyncio event loop's)."""
         req.item, tensors = requester.prepare_item(req.item)
         if not req.nowait and requester.writes_behind:
             if not async_op:
@@ -93,7 +95,7 @@ class ChannelRequests:
                 return None
             if not tensors:  # nothing the caller could change under it: held, unanswered
                 try:
-                    requester.put_behind(req, tensors, hold=True)
+                    requester.put_behind(req, tensors, hold=True, inline=inline)
                 except Exception as exc:  # noqa: BLE001 - an async op reports it in wait()
                     return AsyncWork.failed(exc, "put")
                 return _SENT

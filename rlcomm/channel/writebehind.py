@@ -41,12 +41,14 @@ class WriteBehind:
     #: worker's unbounded channel; see :meth:`put_behind`).
     writes_behind = False
 
-    def put_behind(self, req: P.Put, tensors: list[torch.Tensor], hold: bool = False) -> None:
+    def put_behind(self, req: P.Put, tensors: list[torch.Tensor], hold: bool = False,
+                   inline: bool = True) -> None:
         """Send a put without waiting for the worker: it is applied in order after this
         process's earlier requests, and answered only if it is not enqueued (raised by
         a later :meth:`put_behind` or :meth:`settle`). With ``hold`` (an async put whose
         item has no tensors), it may wait a moment for later requests to travel with
-        (:mod:`~rlcomm.channel.outbox`).
+        (:mod:`~rlcomm.channel.outbox`); ``inline`` False: it is never sent from this
+        thread (an asyncio event loop's).
 
         Raises:
             ChannelLostError: the worker is gone.
@@ -64,7 +66,7 @@ class WriteBehind:
                 self._behind_sent += 1
         if unaccepted is not None:
             raise unaccepted
-        self._post([(req, tensors)], True, hold)
+        self._post([(req, tensors)], inline, hold)
 
     @property
     def unsettled(self) -> bool:
