@@ -103,11 +103,14 @@ class Link(Requester):
     def put_behind(self, req: P.Put, tensors: list[torch.Tensor], hold: bool = False,
                    inline: bool = True) -> None:
         # A blocking put looks each time; held puts (async) at most every HELD_PEEK_SECONDS.
-        now = time.monotonic() if hold else 0.0
-        if now >= self._next_peek:
-            self._next_peek = now + HELD_PEEK_SECONDS if hold else 0.0
-            if self._peer.gone():  # the connection fails: the link is lost (_on_error)
-                self.lose(PeerLostError(f"channel worker {self.where} is gone"))
+        look = True
+        if hold:
+            now = time.monotonic()
+            look = now >= self._next_peek
+            if look:
+                self._next_peek = now + HELD_PEEK_SECONDS
+        if look and self._peer.gone():  # the connection fails: the link is lost (_on_error)
+            self.lose(PeerLostError(f"channel worker {self.where} is gone"))
         super().put_behind(req, tensors, hold, inline)
         _behind.add(self)
 

@@ -135,9 +135,24 @@ def test_a_put_then_a_get_of_the_same_process_see_each_other(cluster):
         channel.shutdown()
 
 
-def test_async_puts_without_tensors_travel_together_unanswered(cluster, putter):
+def test_async_puts_without_tensors_travel_together_unanswered(cluster, putter, monkeypatch):
     channel = Channel.create("wb_async", cluster=cluster)
     try:
+        # Held puts look for a dead worker at most once a millisecond; a blocking put
+        # still looks every time, also right after held ones.
+        channel.put(0, key="peek")  # connects
+        link = _link(channel, "peek")
+        looks: list[int] = []
+        real_gone = link._peer.gone  # type: ignore[attr-defined]
+        monkeypatch.setattr(link._peer, "gone", lambda: looks.append(1) or real_gone())  # type: ignore[attr-defined]
+        for i in range(50):
+            channel.put(i, key="peek", async_op=True)
+        held_looks = len(looks)
+        for i in range(3):
+            channel.put(i, key="peek")
+        assert held_looks < 50 and len(looks) == held_looks + 3, (held_looks, len(looks))
+        monkeypatch.undo()
+
         messages = putter.put_async_many(channel, 1000, "k").wait(timeout=120)[0]
         assert messages <= 1000 // outbox_module.HOLD_ENTRIES + 5, messages
         assert channel.qsize("k") == 1000  # the method's end settled them
