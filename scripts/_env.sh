@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY="$ROOT/.venv/bin/python"
 STAMP=".venv/.rlcomm-installed"
-WANT="$(cat pyproject.toml scripts/_env.sh | "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+WANT="$(cat pyproject.toml setup.py scripts/_env.sh rlcomm/comm/transports/*.c | "$VPY" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
   echo "[rlcomm] installing dependencies into .venv (first run takes a few minutes)" >&2
   "$VPY" -m pip install -q --upgrade pip >&2

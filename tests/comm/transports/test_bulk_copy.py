@@ -44,3 +44,26 @@ def test_a_split_copy_into_fresh_shared_memory_uses_the_helper_threads():
     finally:
         mm.close()
         os.close(fd)
+
+
+@pytest.mark.parametrize("nbytes", [4097, 3 * bulk_copy.PARALLEL_BYTES + 11])
+def test_a_copy_between_views_at_odd_offsets_touches_only_its_bytes(nbytes):
+    # memmove works on addresses: a view's storage offset must be honoured on both sides.
+    base = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8)
+    out = torch.zeros(nbytes + 16, dtype=torch.uint8)
+    bulk_copy.copy(out[5 : 5 + nbytes], base[3 : 3 + nbytes])
+    assert torch.equal(out[5 : 5 + nbytes], base[3 : 3 + nbytes])
+    assert not out[:5].any() and not out[5 + nbytes :].any()
+
+
+def test_a_strided_source_is_copied_element_by_element():
+    src = torch.arange(2 * 5000, dtype=torch.int64).remainder(256).to(torch.uint8)[::2]
+    assert not src.is_contiguous()
+    dst = torch.zeros(5000, dtype=torch.uint8)
+    bulk_copy.copy(dst, src)
+    assert torch.equal(dst, src)
+
+
+def test_a_size_mismatch_is_refused():
+    with pytest.raises(ValueError, match="bulk copy of 10 bytes into a buffer of 9"):
+        bulk_copy.copy(torch.zeros(9, dtype=torch.uint8), torch.ones(10, dtype=torch.uint8))

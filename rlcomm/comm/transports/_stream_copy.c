@@ -1,0 +1,103 @@
+/* Copies that write around the caches: rlcomm.comm.transports._stream_copy.
+ *
+ * copy(dst, src, n) copies n bytes between two non-overlapping buffers given by address,
+ * with the GIL released. On x86-64 the destination is written with non-temporal stores
+ * (SSE2 movntdq: the data goes to memory without reading the destination's cache lines
+ * first, and without evicting what the caches hold). That is what a copy into shared
+ * memory another process will read wants: on the 2-core test machine, a copy into memory
+ * that is not in the cache runs at about 12 GB/s this way against 7 GB/s for memcpy, which
+ * only switches to such stores past about 200 MiB. Elsewhere (or for overlapping ranges)
+ * it is memmove.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#define RLCOMM_STREAM 1
+#endif
+
+static void stream_copy(char *dst, const char *src, size_t n)
+{
+#ifdef RLCOMM_STREAM
+    /* Align the destination to a cache line; the head goes by memcpy. */
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t lines = n / 64;
+    for (size_t i = 0; i < lines; i++) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)(dst), a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), d);
+        dst += 64;
+        src += 64;
+    }
+    _mm_sfence(); /* the stores are visible before anyone is told of them */
+    memcpy(dst, src, n - lines * 64);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src, n) takes 3 integers");
+        return NULL;
+    }
+    void *dst = PyLong_AsVoidPtr(args[0]);
+    void *src = PyLong_AsVoidPtr(args[1]);
+    size_t n = PyLong_AsSize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+    int overlap = d < s + n && s < d + n;
+    Py_BEGIN_ALLOW_THREADS
+    if (overlap)
+        memmove(dst, src, n);
+    else
+        stream_copy((char *)dst, (const char *)src, n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
+     "copy(dst, src, n): copy n bytes from address src to address dst (non-temporal "
+     "stores where the CPU has them), the GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_stream_copy",
+    "Copies that write around the caches (see the C source).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__stream_copy(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "STREAMS",
+#ifdef RLCOMM_STREAM
+                                             1
+#else
+                                             0
+#endif
+                                             ) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

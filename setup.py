@@ -1,0 +1,17 @@
+"""The one compiled part of rlcomm: ``rlcomm.comm.transports._stream_copy``, copies that
+write around the caches. It is optional: where it cannot be built (no C compiler), the
+build goes on without it and rlcomm copies with the C library's ``memmove``
+(:mod:`rlcomm.comm.transports.bulk_copy`). Everything else is in ``pyproject.toml``."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "rlcomm.comm.transports._stream_copy",
+            sources=["rlcomm/comm/transports/_stream_copy.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        )
+    ]
+)

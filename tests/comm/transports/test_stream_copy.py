@@ -1,0 +1,114 @@
+"""Copies that write around the caches (the ``_stream_copy`` C extension) and the pool's
+cold segments that use them: every byte lands, nothing past the ends is touched, the
+GIL is released, and bad arguments are refused."""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rlcomm.comm.transports import bulk_copy
+from rlcomm.comm.transports.shm_memory import COLD_BYTES, SegmentPool, new_memfd
+
+_stream_copy = pytest.importorskip("rlcomm.comm.transports._stream_copy")
+
+
+def test_the_extension_is_built_and_streams_on_x86_64():
+    # setup.py builds it optionally; a machine with a C compiler (CI) must have it.
+    assert bulk_copy.STREAMS == (platform.machine() == "x86_64")
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 65, 4095, 4096 + 17, (1 << 20) + 3])
+@pytest.mark.parametrize("dst_off", [0, 1, 33, 63])
+@pytest.mark.parametrize("src_off", [0, 7])
+def test_every_byte_lands_and_nothing_around_it_is_written(nbytes, dst_off, src_off):
+    src = torch.randint(0, 256, (nbytes + 64,), dtype=torch.uint8)
+    dst = torch.zeros(nbytes + 128, dtype=torch.uint8)
+    _stream_copy.copy(dst.data_ptr() + dst_off, src.data_ptr() + src_off, nbytes)
+    assert torch.equal(dst[dst_off : dst_off + nbytes], src[src_off : src_off + nbytes])
+    assert not dst[:dst_off].any() and not dst[dst_off + nbytes :].any()
+
+
+def test_overlapping_ranges_copy_as_memmove_does():
+    buf = torch.arange(10_000, dtype=torch.int64).remainder(256).to(torch.uint8)
+    want = buf.clone()
+    want[100:9100] = buf[0:9000].clone()
+    _stream_copy.copy(buf.data_ptr() + 100, buf.data_ptr(), 9000)
+    assert torch.equal(buf, want)
+
+
+@pytest.mark.parametrize("args", [(), (1, 2), (1, 2, 3, 4), ("a", 0, 1), (0, 0, -1)])
+def test_bad_arguments_are_refused(args):
+    with pytest.raises((TypeError, OverflowError)):
+        _stream_copy.copy(*args)
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_releases_the_gil():
+    n = 512 << 20
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.empty(n, dtype=torch.uint8)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    while not ticks:
+        time.sleep(0.001)
+    start = time.perf_counter()
+    _stream_copy.copy(dst.data_ptr(), src.data_ptr(), n)
+    end = time.perf_counter()
+    stop.set()
+    t.join()
+    # The other thread ran in the middle of the copy: with the GIL held it could only run
+    # at its ends (in one switch interval).
+    third = (end - start) / 3
+    assert end - start > 0.015
+    assert any(start + third < x < end - third for x in ticks)
+    assert bool(dst.all())
+
+
+def test_a_pool_segment_is_cold_when_new_and_after_others_took_its_place():
+    fds = []
+
+    def announce(seg_id, size, fd, deadline):
+        fds.append(os.dup(fd))  # as the transport passes it to the peer
+
+    fd, mm = new_memfd("rlcomm-test-states", 1024)
+    states = np.frombuffer(mm, dtype=np.uint8)
+    pool = SegmentPool(states, announce, max_in_flight=64)
+    try:
+        mib = 1 << 20
+        a = pool.take(mib, time.monotonic() + 5)
+        assert a.cold  # new memory
+        states[a.id] = 0
+        again = pool.take(mib, time.monotonic() + 5)
+        assert again is a and not a.cold  # taken back at once: still in the caches
+        others = [pool.take(mib, time.monotonic() + 5) for _ in range(COLD_BYTES // mib + 1)]
+        assert a not in others and all(o.cold for o in others)
+        for seg in [a, *others]:
+            states[seg.id] = 0
+        taken = [pool.take(mib, time.monotonic() + 5) for _ in range(len(others) + 1)]
+        assert a in taken and a.cold  # the others' bytes went by since it was last taken
+    finally:
+        for f in fds:
+            os.close(f)
+        os.close(fd)
+
+
+def test_a_cold_bulk_copy_writes_around_the_caches_and_lands_every_byte():
+    n = (3 << 20) + 5
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    dst = torch.zeros(n + 10, dtype=torch.uint8)
+    bulk_copy.copy(dst[3 : 3 + n], src, cold=True)
+    assert torch.equal(dst[3 : 3 + n], src) and not dst[:3].any() and not dst[3 + n :].any()
