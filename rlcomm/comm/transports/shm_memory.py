@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -39,6 +40,16 @@ HEAD, TAIL, WAITING, SLEEPING, STATES = 0, 8, 16, 24, 1024
 #: A segment the pool hands out after this many bytes went into others since it was
 #: last taken is written around the caches (``bulk_copy``): it has left them by then.
 COLD_BYTES = 8 << 20
+#: A sender with this share of its segments in flight waits a moment for the receiver to
+#: give one back before it takes another (:meth:`SegmentPool.pace`) ...
+PACE_SHARE = 0.75
+#: ... at most this long (seconds) ...
+PACE_SECONDS = 0.006
+#: ... and, when none came back in that time (the receiver keeps them), it does not wait
+#: again for this long.
+PACE_OFF_SECONDS = 0.05
+#: How often a paced take looks whether a segment came back (seconds).
+PACE_POLL_SECONDS = 50e-6
 #: The seals of a memfd another process maps: it can neither shrink nor grow.
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
@@ -133,6 +144,42 @@ class SegmentPool:
         self._turns: dict[int, int] = {}  # where the next look in each size starts
         self._bytes = 0
         self._handed = 0  # bytes handed out so far (to tell cold segments)
+        self._pace_at = max(1, int(max_in_flight * PACE_SHARE))
+        self._pace_off_until = 0.0
+        #: Paced takes: ended by a segment coming back, and ended by the time limit.
+        self.paced = [0, 0]
+
+    def pace(self, deadline: float) -> None:
+        """Before taking a segment: while :data:`PACE_SHARE` of ``max_in_flight`` are in
+        flight, wait (at most :data:`PACE_SECONDS`) for the receiver to give one back.
+
+        A receiver that falls behind a faster sender (a channel worker between a producer
+        and a consumer) holds more and more of its segments, and past its own limit it
+        copies what comes in, which slows it further. A short wait here keeps the sender
+        at the receiver's pace instead. A receiver that keeps what it got (a queue
+        nobody reads yet) gives nothing back in that time: the sender then takes
+        segments without waiting for :data:`PACE_OFF_SECONDS`.
+        """
+        k = len(self.segments)
+        if k < self._pace_at:
+            return
+        states = self._states[:k]
+        if int(np.count_nonzero(states)) < self._pace_at:
+            return
+        now = time.monotonic()
+        if now < self._pace_off_until:
+            return
+        end = min(deadline, now + PACE_SECONDS)
+        while True:
+            time.sleep(PACE_POLL_SECONDS)
+            if int(np.count_nonzero(states)) < self._pace_at:
+                self.paced[0] += 1
+                return
+            now = time.monotonic()
+            if now >= end:
+                self.paced[1] += 1
+                self._pace_off_until = now + PACE_OFF_SECONDS
+                return
 
     def take(self, nbytes: int, deadline: float) -> Segment | None:
         """A free segment for ``nbytes``, now marked in flight; None if there is none and

@@ -156,6 +156,8 @@ class RingWriter:
         )
         if len(large) > self._max_in_flight // 2 or in_ring > RING_BYTES:
             return segments
+        if large:
+            self._pool.pace(deadline)
         words = self._out.words
         while True:
             for i in large:
