@@ -3,12 +3,16 @@ library's ``memmove``, and rlcomm's copy that writes around the caches (non-temp
 stores, ``rlcomm.comm.transports._stream_copy``), on one thread and split over the
 threads ``bulk_copy`` uses.
 
-Cases (µs or ms per copy, median of the rounds):
+Cases (GB/s, median of the rounds; the copy alone: nobody reads what it wrote):
 - *warm*: the destination is one of a few buffers reused in turn (they stay in the
   caches), as a sender's segments are when its receiver gives them back at once;
 - *cold*: the destination is one of enough buffers that it has left the caches when it
   comes round again (a channel producer's segments, a rollout's 16 segments);
 - a 1 GiB copy between two buffers.
+
+The copy alone flatters the non-temporal stores at 1 MiB: a receiver that reads the data
+at once then reads it from memory, not the cache, so rlcomm uses them only from 8 MiB
+(see ``bulk_copy``'s docstring).
 
     python scripts/bench_copy.py [--json docs/bench_copy.json] [--rounds 5]
 """
@@ -27,7 +31,6 @@ from collections.abc import Callable
 import torch
 
 from rlcomm.comm.transports import bulk_copy
-from rlcomm.comm.transports.shm_memory import COLD_BYTES
 
 MIB = 1 << 20
 
@@ -49,10 +52,10 @@ def _ways() -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
     def memmove(dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
 
-    def split_memmove(dst: torch.Tensor, src: torch.Tensor) -> None:
+    def split_memmove(dst: torch.Tensor, src: torch.Tensor) -> None:  # without the extension
         stream, bulk_copy._stream = bulk_copy._stream, ctypes.memmove
         try:
-            bulk_copy.copy(dst, src, cold=True)
+            bulk_copy.copy(dst, src)
         finally:
             bulk_copy._stream = stream
 
@@ -71,22 +74,15 @@ def _ways() -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
             f"torch copy_, {bulk_copy.THREADS} threads (before)": split_torch}
     if bulk_copy.STREAMS:
         ways["stream"] = lambda d, s: bulk_copy._stream(d.data_ptr(), s.data_ptr(), s.numel())
-    ways[f"memmove, {bulk_copy.THREADS} threads"] = split_memmove
-    # What a shm sender does: ``cold`` as its segment pool tells (a segment reused within
-    # COLD_BYTES is warm).
-    ways[f"rlcomm bulk_copy, {bulk_copy.THREADS} threads"] = (
-        lambda d, s: bulk_copy.copy(d, s, cold=d.numel() * _buffers > COLD_BYTES))
+    ways["rlcomm without the extension"] = split_memmove
+    # What the shared-memory transport does (below 8 MiB: torch's copy_).
+    ways[f"rlcomm bulk_copy, {bulk_copy.THREADS} threads"] = bulk_copy.copy
     return ways
 
 
-_buffers = 1
-
-
 def run(rounds: int) -> list[dict]:
-    global _buffers
     records = []
     for label, n, buffers, copies in CASES:
-        _buffers = buffers
         src = torch.ones(n, dtype=torch.uint8)
         dsts = [_shared(n) for _ in range(buffers)]
         for d in dsts:

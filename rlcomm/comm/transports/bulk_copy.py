@@ -1,26 +1,27 @@
 """Large copies into and out of shared memory: written around the caches, and split
 across threads.
 
-Measured on the 2-core test machine (``scripts/bench_copy.py``):
+Measured on the 2-core test machine (``scripts/bench_copy.py``, one thread unless said):
 - ``torch``'s ``copy_`` and the C library's ``memcpy`` write through the caches: each
-  destination line is read before it is written, at about 7 GB/s once the destination
-  is not in the cache. ``memcpy`` switches to non-temporal stores only past about
+  destination line is read before it is written, at about 8 GB/s once the destination
+  is out of the cache. ``memcpy`` switches to non-temporal stores only past about
   200 MiB.
 - Non-temporal stores (:mod:`~rlcomm.comm.transports._stream_copy`, a small C
-  extension) write a line without reading it first: about 12 GB/s on one thread, and
-  about 19 GB/s split over two (1 GiB in 0.055 s, against 0.09 s for ``copy_`` split
-  over two).
-- But a destination that *is* in the cache (a 1 MiB segment reused every few messages)
-  takes a cached copy faster: 34 µs against 53 µs.
+  extension) write a line without reading it first: about 12 GB/s, and about 18-19 GB/s
+  split over two threads (64 MiB in 3.5 ms against 5.3 ms for ``copy_`` split over two;
+  1 GiB in 0.06 s against 0.09 s).
+- But the written data then is not in the cache either. A receiver that copies a 1 MiB
+  payload out at once reads it from memory instead: the raw shared-memory transport
+  moved 1 MiB messages at 9.3-9.7 GB/s that way against 14-17 GB/s with cached copies,
+  in one run. At 1 MiB a cached copy also fits the caches, so the sender gains little.
 
-So :func:`copy` writes around the caches when the copy is large
-(:data:`STREAM_BYTES`) or when the caller says the destination is cold (a pool segment
-not written for a while), and otherwise leaves the copy to ``torch`` (which splits it
-across its own threads where it has them). A copy of at least
-:data:`PARALLEL_BYTES` is cut into page-aligned ranges: the calling thread copies the
-first and a small process-wide pool the others (both copies release the GIL). Fresh
-memory faults in at about 1 GB/s per thread, so splitting helps there too. The
-``copy_threads`` setting sets how many threads share one copy.
+So :func:`copy` writes around the caches when the copy is at least
+:data:`PARALLEL_BYTES`, and leaves smaller ones to ``torch`` (which splits them across its
+own threads where it has them). A large copy is cut into page-aligned ranges: the
+calling thread copies the first and a small process-wide pool
+the others (the copy releases the GIL). Fresh memory faults in at about 1 GB/s per
+thread, so splitting helps there too. The ``copy_threads`` setting sets how many threads
+share one copy.
 
 Where the extension was not built (no C compiler at install), those copies go through
 ``memmove`` instead (:data:`STREAMS` is False).
@@ -44,10 +45,8 @@ except ImportError:  # not built: memmove all the way
     STREAMS = False
     _stream = ctypes.memmove
 
-#: Copies of at least this many bytes are split.
+#: Copies of at least this many bytes write around the caches, split across threads.
 PARALLEL_BYTES = 8 << 20
-#: Copies of at least this many bytes write around the caches, whatever the caller says.
-STREAM_BYTES = 8 << 20
 #: Threads that share one copy, the caller included.
 THREADS = get_settings().copy_threads or min(4, os.cpu_count() or 1)
 _PAGE = 4096
@@ -65,25 +64,19 @@ def _helpers() -> concurrent.futures.ThreadPoolExecutor:
     return _pool
 
 
-def copy(dst: torch.Tensor, src: torch.Tensor, cold: bool = False) -> None:
-    """``dst.copy_(src)`` for two flat ``uint8`` tensors of one size that do not overlap.
-
-    On the CPU it writes around the caches when the copy is large or ``cold`` (the
-    caller knows ``dst`` has not been written for a while), and splits large copies
-    across threads.
-    """
+def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two flat ``uint8`` tensors of one size that do not overlap;
+    on the CPU, a large one written around the caches and split across threads."""
     n = src.numel()
     if dst.numel() != n:
         raise ValueError(f"bulk copy of {n} bytes into a buffer of {dst.numel()}")
-    if (not (cold or n >= STREAM_BYTES)  # small, into cached memory: torch's own copy
+    if (n < PARALLEL_BYTES  # small: torch's own copy
             or src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.is_cuda
             or dst.is_cuda or not (src.is_contiguous() and dst.is_contiguous())):
         dst.copy_(src)
         return
-    if n == 0:
-        return
     to, frm = dst.data_ptr(), src.data_ptr()
-    if THREADS < 2 or n < PARALLEL_BYTES:
+    if THREADS < 2:
         _stream(to, frm, n)
         return
     parts = min(THREADS, n // (PARALLEL_BYTES // 2))

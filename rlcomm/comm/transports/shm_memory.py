@@ -37,9 +37,6 @@ FIRST_RELAY_SLOT = MAX_SEGMENTS - RELAY_SLOTS
 CTRL_BYTES = 4096
 #: Byte offsets in the control block: the counters and flags, then the segment states.
 HEAD, TAIL, WAITING, SLEEPING, STATES = 0, 8, 16, 24, 1024
-#: A segment the pool hands out after this many bytes went into others since it was
-#: last taken is written around the caches (``bulk_copy``): it has left them by then.
-COLD_BYTES = 8 << 20
 #: A sender with this share of its segments in flight waits a moment for the receiver to
 #: give one back before it takes another (:meth:`SegmentPool.pace`) ...
 PACE_SHARE = 0.75
@@ -108,10 +105,6 @@ class Segment:
         self.size = size
         self.mm = mm
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8, count=size)
-        #: Whether the segment's memory is likely out of this core's caches when it is
-        #: next written: it is new, or the pool handed out :data:`COLD_BYTES` since.
-        self.cold = True
-        self.taken_at = -COLD_BYTES - 1  # the pool's byte count when it was last taken
 
 
 def release_segment(states: np.ndarray, seg_id: int) -> None:
@@ -143,7 +136,6 @@ class SegmentPool:
         self._by_size: dict[int, list[Segment]] = {}
         self._turns: dict[int, int] = {}  # where the next look in each size starts
         self._bytes = 0
-        self._handed = 0  # bytes handed out so far (to tell cold segments)
         self._pace_at = max(1, int(max_in_flight * PACE_SHARE))
         self._pace_off_until = 0.0
         #: Paced takes: ended by a segment coming back, and ended by the time limit.
@@ -207,9 +199,6 @@ class SegmentPool:
             if best is None:
                 return None
         states[best.id] = 1
-        best.cold = self._handed - best.taken_at > COLD_BYTES
-        best.taken_at = self._handed
-        self._handed += nbytes
         return best
 
     def _grow(self, size: int, deadline: float) -> Segment | None:

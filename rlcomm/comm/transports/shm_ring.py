@@ -203,7 +203,7 @@ class RingWriter:
             if seg is None and n >= SEGMENT_THRESHOLD:
                 seg = self._pool.take(n, deadline)
             if seg is not None:
-                bulk_copy.copy(seg.tensor[:n], t, seg.cold)
+                bulk_copy.copy(seg.tensor[:n], t)
                 self.write(RECORD.pack(SEGMENT, seg.id, n), deadline)
             else:
                 self.write(RECORD.pack(INLINE, 0, n), deadline)

@@ -1,20 +1,17 @@
-"""Copies that write around the caches (the ``_stream_copy`` C extension) and the pool's
-cold segments that use them: every byte lands, nothing past the ends is touched, the
-GIL is released, and bad arguments are refused."""
+"""Copies that write around the caches (the ``_stream_copy`` C extension): every byte
+lands, nothing past the ends is touched, the GIL is released, and bad arguments are
+refused."""
 
 from __future__ import annotations
 
-import os
 import platform
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from rlcomm.comm.transports import bulk_copy
-from rlcomm.comm.transports.shm_memory import COLD_BYTES, SegmentPool, new_memfd
 
 _stream_copy = pytest.importorskip("rlcomm.comm.transports._stream_copy")
 
@@ -78,37 +75,9 @@ def test_a_copy_releases_the_gil():
     assert bool(dst.all())
 
 
-def test_a_pool_segment_is_cold_when_new_and_after_others_took_its_place():
-    fds = []
-
-    def announce(seg_id, size, fd, deadline):
-        fds.append(os.dup(fd))  # as the transport passes it to the peer
-
-    fd, mm = new_memfd("rlcomm-test-states", 1024)
-    states = np.frombuffer(mm, dtype=np.uint8)
-    pool = SegmentPool(states, announce, max_in_flight=64)
-    try:
-        mib = 1 << 20
-        a = pool.take(mib, time.monotonic() + 5)
-        assert a.cold  # new memory
-        states[a.id] = 0
-        again = pool.take(mib, time.monotonic() + 5)
-        assert again is a and not a.cold  # taken back at once: still in the caches
-        others = [pool.take(mib, time.monotonic() + 5) for _ in range(COLD_BYTES // mib + 1)]
-        assert a not in others and all(o.cold for o in others)
-        for seg in [a, *others]:
-            states[seg.id] = 0
-        taken = [pool.take(mib, time.monotonic() + 5) for _ in range(len(others) + 1)]
-        assert a in taken and a.cold  # the others' bytes went by since it was last taken
-    finally:
-        for f in fds:
-            os.close(f)
-        os.close(fd)
-
-
-def test_a_cold_bulk_copy_writes_around_the_caches_and_lands_every_byte():
-    n = (3 << 20) + 5
+def test_a_large_bulk_copy_streams_and_lands_every_byte():
+    n = bulk_copy.PARALLEL_BYTES + (3 << 20) + 5
     src = torch.randint(0, 256, (n,), dtype=torch.uint8)
     dst = torch.zeros(n + 10, dtype=torch.uint8)
-    bulk_copy.copy(dst[3 : 3 + n], src, cold=True)
+    bulk_copy.copy(dst[3 : 3 + n], src)
     assert torch.equal(dst[3 : 3 + n], src) and not dst[:3].any() and not dst[3 + n :].any()
