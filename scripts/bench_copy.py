@@ -106,7 +106,7 @@ def table(records: list[dict]) -> str:
     """GB/s per case and way, and rlcomm's copy over the one it replaced."""
     ways = [w for w in records[0] if w not in ("case", "bytes", "buffers")]
     before = next(w for w in ways if w.endswith("(before)"))
-    now = next(w for w in ways if w.startswith("rlcomm"))
+    now = next(w for w in ways if w.startswith("rlcomm bulk_copy"))
     lines = ["GB/s per copy (median of the rounds); last column: rlcomm now / before",
              f"{'case':28s}" + "".join(f"{w[:22]:>24s}" for w in ways) + f"{'now/before':>12s}"]
     for row in records:
