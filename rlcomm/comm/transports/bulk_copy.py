@@ -18,10 +18,9 @@ Measured on the 2-core test machine (``scripts/bench_copy.py``, one thread unles
 So :func:`copy` writes around the caches when the copy is at least
 :data:`PARALLEL_BYTES`, and leaves smaller ones to ``torch`` (which splits them across its
 own threads where it has them). A large copy is cut into page-aligned ranges: the
-calling thread copies the first and a small process-wide pool
-the others (the copy releases the GIL). Fresh memory faults in at about 1 GB/s per
-thread, so splitting helps there too. The ``copy_threads`` setting sets how many threads
-share one copy.
+calling thread copies the first and a small process-wide pool the others (the copy
+releases the GIL). Fresh memory faults in at about 1 GB/s per thread, so splitting
+helps there too. The ``copy_threads`` setting sets how many threads share one copy.
 
 Where the extension was not built (no C compiler at install), those copies go through
 ``memmove`` instead (:data:`STREAMS` is False).

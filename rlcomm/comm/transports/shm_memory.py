@@ -155,11 +155,9 @@ class SegmentPool:
         k = len(self.segments)
         if k < self._pace_at:
             return
-        states = self._states[:k]
-        if int(np.count_nonzero(states)) < self._pace_at:
-            return
         now = time.monotonic()
-        if now < self._pace_off_until:
+        states = self._states[:k]
+        if now < self._pace_off_until or int(np.count_nonzero(states)) < self._pace_at:
             return
         end = min(deadline, now + PACE_SECONDS)
         while True:
