@@ -48,6 +48,7 @@ from rlcomm.comm.store_wire import (
     OP_GET,
     OP_NUM_KEYS,
     OP_SET,
+    OP_TAKE,
     OP_WAIT,
     decode,
     encode,
@@ -209,6 +210,17 @@ class StoreClient(dist.Store):
 
     def delete_key(self, key: str) -> bool:
         return self._call([OP_DELETE, self._key(key)])  # type: ignore[return-value]
+
+    def take(self, key: str, timeout: datetime.timedelta | None = None) -> bytes:
+        """Wait for ``key``, then remove it and return its value: one round trip where
+        ``wait``, ``get`` and ``delete_key`` take three (not in torch's ``Store``).
+
+        Raises:
+            CommTimeoutError: ``key`` was not set within ``timeout`` (the store's own
+                timeout when ``None``).
+        """
+        seconds = self._timeout_s if timeout is None else timeout.total_seconds()
+        return self._call([OP_TAKE, self._key(key), seconds], seconds)  # type: ignore[return-value]
 
     def num_keys(self) -> int:
         return self._call([OP_NUM_KEYS])  # type: ignore[return-value]

@@ -28,6 +28,7 @@ from rlcomm.comm.store_wire import (
     OP_GET,
     OP_NUM_KEYS,
     OP_SET,
+    OP_TAKE,
     OP_WAIT,
     decode,
     encode,
@@ -65,6 +66,13 @@ class _Table:
     def pop(self, key: str) -> bytes | None:
         with self.cond:
             return self.data.pop(key, None)
+
+    def take(self, key: str, timeout: float) -> bytes | None:
+        """Wait up to ``timeout`` seconds for ``key``, then remove it and return its value."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout):
+                return None
+            return self.data.pop(key)
 
     def add(self, key: str, amount: int) -> int:
         with self.cond:
@@ -196,6 +204,9 @@ class StoreServer:
             return [True, table.compare_set(str(args[0]), bytes(args[1]), bytes(args[2]))]
         if op == OP_DELETE:
             return [True, table.pop(str(args[0])) is not None]
+        if op == OP_TAKE:
+            value = table.take(str(args[0]), float(args[1]))
+            return [value is not None, value]
         if op == OP_NUM_KEYS:
             with table.cond:
                 return [True, len(table.data)]

@@ -22,7 +22,9 @@ MAX_PENDING = 64
 #: Largest request or reply frame (keys and values are small: addresses, notes, acks).
 MAX_FRAME = 16 << 20
 
-OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_CSET, OP_DELETE, OP_NUM_KEYS, OP_APPEND = range(9)
+OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_CSET, OP_DELETE, OP_NUM_KEYS, OP_APPEND, OP_TAKE = (
+    range(10)
+)
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder().decode
 

@@ -7,6 +7,7 @@ that never reads. Each case ends in a named error within its timeout, or works.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -466,3 +467,22 @@ def test_the_store_serves_only_clients_with_the_secret():
         server.close()
     with pytest.raises(PeerLostError):
         StoreClient("127.0.0.1", server.port, b"s" * 32, 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_store_take_waits_for_its_key_and_removes_it():
+    server = StoreServer("127.0.0.1", b"s" * 32)
+    try:
+        setter, taker = (StoreClient("127.0.0.1", server.port, b"s" * 32, 5) for _ in range(2))
+        late = threading.Timer(0.3, setter.set, ("p/k", b"v"))
+        start = time.monotonic()
+        late.start()
+        assert taker.prefixed("p").take("k") == b"v"  # it waited for the set
+        assert time.monotonic() - start >= 0.25
+        assert not setter.check(["p/k"]) and setter.num_keys() == 0  # and removed the key
+        with pytest.raises(CommTimeoutError):
+            taker.take("k", datetime.timedelta(seconds=0.2))
+        setter.set("k", b"w")  # a take that timed out leaves the stream in step
+        assert taker.take("k") == b"w"
+    finally:
+        server.close()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports.base import as_timedelta, deadline_of, map_error
-from rlcomm.errors import ProtocolMismatchError
+from rlcomm.errors import CommError, ProtocolMismatchError
 
 #: Each tensor of a payload starts at a multiple of this many bytes of the staging buffer.
 ALIGN = 256
@@ -89,7 +89,8 @@ class OfferBoard:
 
     Each end keeps one board per direction over a store client of its own: a TCPStore
     client serves one call at a time, so a wait for an ack would stall the other
-    direction's wait for an offer. Keys are deleted once read.
+    direction's wait for an offer. Keys are deleted once read: in the same round trip
+    as the wait for them on rlcomm's own store (its ``take``), in three elsewhere.
 
     Args:
         store: a store client used by this board only (keys under its prefix).
@@ -107,11 +108,14 @@ class OfferBoard:
 
     def _wait_and_take(self, key: str, timeout: float | None, what: str) -> bytes:
         deadline = deadline_of(timeout)
+        take = getattr(self._store, "take", None)
         try:
+            if take is not None:
+                return take(key, as_timedelta(timeout))
             self._store.wait([key], as_timedelta(timeout))
             data = self._store.get(key)
             self._store.delete_key(key)
-        except RuntimeError as exc:
+        except (RuntimeError, CommError) as exc:
             raise map_error(exc, what, self._peer, deadline) from exc
         return data
 
