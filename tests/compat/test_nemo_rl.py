@@ -17,6 +17,7 @@ import ray
 
 from rlcomm import NamedSharding, NodePlacementStrategy, Worker
 from rlcomm.worker.sharded_calls import PerWorkerDataError
+from tests.markers import cpu_only_cluster
 
 
 @ray.remote
@@ -110,6 +111,7 @@ def test_environment_variables_setup(two_workers):
     assert isinstance(group.master_port, int) and group.master_address
 
 
+@cpu_only_cluster
 def test_configure_worker_interaction(two_workers):
     """test_worker_groups.py::test_configure_worker_interaction: the hook's num_gpus (0 on
     CPU), bundle_indices for every worker (a worker on its own is its own group), its

@@ -21,6 +21,7 @@ from rlcomm.single_controller import (
     register_dispatch_mode,
     split_resource_pool,
 )
+from tests.markers import cpu_only_cluster
 from tests.worker.test_dispatch import Batch  # the shared verl DataProto stand-in
 
 
@@ -257,6 +258,7 @@ class _NotChainable(DispatchFuture):
                          spec, collect_all_to_all, [0], [], None, 0, None)
 
 
+@cpu_only_cluster
 def test_pool_limits(cluster):
     with pytest.raises(ValueError, match="use_gpu=True but the cluster has no GPUs"):
         RayWorkerGroup(RayResourcePool([1], use_gpu=True), RayClassWithInitArgs(DPWorker))

@@ -17,6 +17,7 @@ from rlcomm import (
     WorkerGroup,
     WorkerGroupError,
 )
+from tests.markers import cpu_only_cluster
 
 
 class AllReduceWorker(Worker):
@@ -55,6 +56,7 @@ class Caller(Worker):
         return other.execute_on(1).hello().wait()
 
 
+@cpu_only_cluster
 def test_seed_example_on_cpu(cluster):
     group = AllReduceWorker.create_group().launch(
         cluster, PackedPlacementStrategy(0, 3), name="seed_example"

@@ -12,6 +12,7 @@ from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import BundlePlacementStrategy, NodeSpec
 from rlcomm.worker.sharding import plan_sharded_call
+from tests.markers import cpu_only_cluster
 
 DP_TP = [[0, 1], [2, 3]]
 
@@ -229,6 +230,7 @@ def test_sharded_data_table_on_dp2_tp2(cluster):
         group.shutdown()
 
 
+@cpu_only_cluster
 def test_tied_workers_configure_hook_and_hanging_shutdown(cluster, caplog):
     caplog.set_level(logging.WARNING, logger="rlcomm.worker.configure")
     group = ShardWorker.create_group(tag="user").launch(
