@@ -60,7 +60,7 @@ def stream(rt: _flows_runs.Runtime, cases: list[list[Any]], repeats: int) -> lis
                 rt.wait(pair.use_channel(name))
                 rates = []
                 for rep in range(repeats + 1):
-                    count = n if rep else max(batch, n // 10)
+                    count = n if rep else _flows_runs.warmup_items(n, batch)
                     end = pair.execute_on(1).stream_get(name, count, batch)
                     start = rt.wait(pair.execute_on(0).stream_put(name, kind, count, batch))[0]
                     if rep:

@@ -28,6 +28,14 @@ class Runtime:
     close_channel: Callable[[Any], None]
 
 
+def warmup_items(n: int, batch: int) -> int:
+    """Items in the warm-up round of a stream case: as many as a timed round (at least
+    a batch), so that pools and segments have grown to what the stream needs before the
+    clock starts (a channel's fresh worker otherwise pays for new memory in the first
+    timed round)."""
+    return max(n, batch)
+
+
 def sync_record(path: str, receivers: int, nbytes: int, secs: list[float]) -> dict[str, Any]:
     return {"path": path, "receivers": receivers, "bytes": nbytes, "samples_s": secs,
             "median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs)}

@@ -202,10 +202,13 @@ class Bench:
         end = consumed.wait(timeout=600)[0]
         return n / (end - start)
 
-    def throughput(self, backend: str, mode: str, kind: str, n: int, batch: int) -> None:
+    def throughput(self, backend: str, mode: str, kind: str, n: int, batch: int,
+                   warmup: int | None = None) -> None:
+        """Items/s of one case: a warm-up round of ``warmup`` items (a tenth of ``n`` by
+        default), then ``--repeats`` timed rounds of ``n``."""
         queue = self._queue(backend)
         try:
-            self._once(queue, backend, mode, kind, max(batch, n // 10), batch)  # warm-up
+            self._once(queue, backend, mode, kind, warmup or max(batch, n // 10), batch)
             rates = [self._once(queue, backend, mode, kind, n, batch)
                      for _ in range(self.args.repeats)]
         finally:
