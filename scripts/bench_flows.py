@@ -25,10 +25,9 @@
 
 A transfer starts only once every receiver has said it is ready (a one-element message);
 each figure is the median of ``--repeats`` transfers after a warm-up (in a stream, a
-warm-up round as long as a timed one). A baseline that
-cannot run is skipped with a note. Ratios are rlcomm over the baseline in speed (>1:
-rlcomm is faster). Every wait is bounded; only the actors and the subprocess this run
-started are ended.
+warm-up round as long as a timed one). A baseline that cannot run is skipped with a
+note. Ratios are rlcomm over the baseline in speed (>1: rlcomm is faster). Every wait is
+bounded; only the actors and the subprocess this run started are ended.
 
     python scripts/bench_flows.py --json bench_flows.json --plot bench_flows.png
     python scripts/bench_flows.py --quick      # small sizes, few repeats: a few minutes
