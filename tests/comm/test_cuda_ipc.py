@@ -22,6 +22,7 @@ from rlcomm import (
 )
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.identity.address import WorkerAddress
+from rlcomm.comm.store import StoreClient, StoreServer, sub_store
 from rlcomm.comm.transports import gpus, registry
 from rlcomm.comm.transports.cuda_ipc import CudaIpcTransport
 from rlcomm.comm.transports.cuda_ipc_board import (
@@ -39,12 +40,21 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 needs_shm = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
 
 
-@pytest.fixture
-def stores():
-    """A store server and two clients of it under one connection prefix (rank 0, 1)."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    clients = [dist.TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(2)]
-    yield [dist.PrefixStore("pair/x", c) for c in clients]
+@pytest.fixture(params=["tcpstore", "rlcomm"])
+def stores(request):
+    """A store server and two clients of it under one connection prefix (rank 0, 1):
+    torch's TCPStore, and rlcomm's own store (whose ``take`` the offer board uses)."""
+    if request.param == "tcpstore":
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        clients = [dist.TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(2)]
+        yield [dist.PrefixStore("pair/x", c) for c in clients]
+        return
+    own = StoreServer("127.0.0.1", b"s" * 32)
+    try:
+        yield [StoreClient("127.0.0.1", own.port, b"s" * 32, 30).prefixed("pair/x")
+               for _ in range(2)]
+    finally:
+        own.close()
 
 
 def _offer(**changes) -> Offer:
@@ -181,7 +191,7 @@ def test_transport_checks_before_touching_the_gpu(stores):
 
 
 def test_transports_of_both_ends_meet_on_their_cloned_stores(stores):
-    ends = [CudaIpcTransport(dist.PrefixStore("cuda_ipc", stores[r]), r, "p") for r in (0, 1)]
+    ends = [CudaIpcTransport(sub_store(stores[r], "cuda_ipc"), r, "p") for r in (0, 1)]
     try:
         ends[0]._outgoing.post(0, _offer(gpu="from-0"))
         ends[1]._outgoing.post(0, _offer(gpu="from-1"))

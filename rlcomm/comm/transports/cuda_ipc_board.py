@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports.base import as_timedelta, deadline_of, map_error
-from rlcomm.errors import CommError, ProtocolMismatchError
+from rlcomm.errors import CommError, CommTimeoutError, ProtocolMismatchError
 
 #: Each tensor of a payload starts at a multiple of this many bytes of the staging buffer.
 ALIGN = 256
@@ -102,19 +102,21 @@ class OfferBoard:
         self._store = store
         self._sender = sender
         self._peer = peer
+        self._take = getattr(store, "take", None)  # rlcomm's store: one round trip
 
     def _key(self, kind: str, seq: int) -> str:
         return f"{self._sender}/{kind}/{seq}"
 
     def _wait_and_take(self, key: str, timeout: float | None, what: str) -> bytes:
         deadline = deadline_of(timeout)
-        take = getattr(self._store, "take", None)
         try:
-            if take is not None:
-                return take(key, as_timedelta(timeout))
+            if self._take is not None:
+                return self._take(key, as_timedelta(timeout))
             self._store.wait([key], as_timedelta(timeout))
             data = self._store.get(key)
             self._store.delete_key(key)
+        except CommTimeoutError as exc:  # the store's own: say which op timed out
+            raise map_error(TimeoutError(str(exc)), what, self._peer) from exc
         except (RuntimeError, CommError) as exc:
             raise map_error(exc, what, self._peer, deadline) from exc
         return data
@@ -123,7 +125,7 @@ class OfferBoard:
         """Publish the offer of message ``seq`` (the sender)."""
         try:
             self._store.set(self._key("offer", seq), _encode_offer(offer))
-        except RuntimeError as exc:
+        except (RuntimeError, CommError) as exc:
             raise map_error(exc, f"cuda_ipc send of message {seq}", self._peer) from exc
 
     def take(self, seq: int, timeout: float | None) -> Offer:
@@ -140,7 +142,7 @@ class OfferBoard:
         """Tell the sender message ``seq`` was copied out, or why it was refused."""
         try:
             self._store.set(self._key("ack", seq), refusal.encode())
-        except RuntimeError as exc:
+        except (RuntimeError, CommError) as exc:
             raise map_error(exc, f"cuda_ipc ack of message {seq}", self._peer) from exc
 
     def wait_ack(self, seq: int, timeout: float) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports.base import as_timedelta, deadline_of, map_error
-from rlcomm.errors import CommTimeoutError
+from rlcomm.errors import CommError, CommTimeoutError
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -44,7 +44,7 @@ def exchange_gpu_uuids(
         store.set(f"cuda_uuid/{rank}", mine)
         store.wait([key], as_timedelta(timeout))
         return store.get(key).decode()
-    except RuntimeError as exc:
+    except (RuntimeError, CommError) as exc:  # torch's stores, and rlcomm's own
         error = map_error(exc, what, peer, deadline)
         if isinstance(error, CommTimeoutError):
             error = CommTimeoutError(
