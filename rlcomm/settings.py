@@ -116,6 +116,17 @@ class Settings:
         4, "shared-memory segments a broadcast source keeps per group for same-node "
         "receivers (receivers holding views of all of them make it wait)", live=False,
         minimum=1)
+    cuda_slot_bytes: int = _setting(
+        1 << 20, "CUDA payloads up to this many bytes to a worker on the same GPU are copied "
+        "into a staging slot (the send returns at once); larger ones are lent (the receiver "
+        "copies them from the sender's tensors); read when a connection's CUDA path is made",
+        minimum=0)
+    cuda_staging_slots: int = _setting(
+        8, "staging slots one direction of a same-GPU connection has (its GPU memory cap is "
+        "cuda_slot_bytes times this; 0: every CUDA payload is lent)", minimum=0)
+    cuda_idle_release: float = _setting(
+        10.0, "seconds without a CUDA message after which a same-GPU connection releases its "
+        "staging slots and closes the peer's memory it opened", minimum=1e-3)
     recv_pool_bytes: int = _setting(
         2 << 30, "most bytes of free receive buffers (Gloo) a process keeps for reuse",
         live=False, minimum=0)

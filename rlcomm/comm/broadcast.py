@@ -6,7 +6,10 @@ A broadcast from member ``src`` splits its members in two, alike on every member
   encodes the object once, copies its tensors once into a pooled shared-memory slot and
   hands the slot to each of them (:mod:`~rlcomm.comm.transports.shm_fanout`); each maps
   it copy-on-write and decodes zero-copy views. The slot goes back to the source's pool
-  when every local receiver has freed its views.
+  when every local receiver has freed its views. CUDA tensors are planned by GPU
+  (:mod:`~rlcomm.comm.broadcast_device`): a receiver that sees the source's GPU copies
+  them straight from the source's memory on the device, one copy, never through host
+  memory; the others get them through a slot.
 - *remote* receivers, on other nodes: one of them per node is that node's *relay* (the
   first member there, in member order). The payload crosses the network once per node,
   over a Gloo process group of the source and the relays (NCCL for CUDA payloads), made
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
+from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
@@ -41,6 +45,7 @@ from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.shm_fanout import FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
 from rlcomm.errors import (
+    CodecError,
     CommError,
     CommTimeoutError,
     OptionsMismatchError,
@@ -113,6 +118,8 @@ class BroadcastGroup:
         self._seq_out = 0
         self._sinks: dict[int, FanoutSink] = {}  # by source index
         self._seq_in: dict[int, int] = {}
+        self._device = DeviceFanout(self._group_store, index, self._pids,
+                                    [str(m) for m in members])
 
     @staticmethod
     def _shared_copy() -> bool:
@@ -147,44 +154,88 @@ class BroadcastGroup:
         """Shared memory this member holds as a broadcast source."""
         return 0 if self._source is None else self._source.pool_bytes
 
-    def submit(self, obj: Any, src: int, timeout: float) -> concurrent.futures.Future:
-        return self._executor.submit(self.broadcast, obj, src, timeout)
+    def submit(
+        self, obj: Any, src: int, timeout: float, into: Any = None,
+        cuda: tuple[torch.device, Any] | None = None, host_wait: bool = False,
+    ) -> concurrent.futures.Future:
+        """Run :meth:`broadcast` on the group's thread (in call order). ``cuda``: the
+        caller's CUDA device and stream, which the broadcast's CUDA work is ordered on."""
+        if cuda is None:
+            return self._executor.submit(self.broadcast, obj, src, timeout, into)
 
-    def broadcast(self, obj: Any, src: int, timeout: float) -> Any:
-        """Send ``obj`` from member ``src`` to all; every member returns the object."""
+        def on_callers_stream() -> Any:
+            with torch.cuda.device(cuda[0]), torch.cuda.stream(cuda[1]):
+                return self.broadcast(obj, src, timeout, into, host_wait)
+
+        return self._executor.submit(on_callers_stream)
+
+    def broadcast(
+        self, obj: Any, src: int, timeout: float, into: Any = None, host_wait: bool = False
+    ) -> Any:
+        """Send ``obj`` from member ``src`` to all; every member returns the object (a
+        receiver given ``into`` gets the tensors copied into it, and returns it).
+        ``host_wait``: a source of CUDA tensors returns once every receiver's copy of them
+        is done, not only ordered on its current stream."""
         deadline = time.monotonic() + timeout
         local, _ = self.plan(src)
         relays = self.relays(src)
         with self._lock:
             if self.index == src:
-                self._send(obj, local, list(relays), deadline, timeout)
+                self._send(obj, local, list(relays), deadline, timeout, host_wait)
                 return obj
             if self.index in local:
-                return self._recv_local(src, deadline)
+                return self._recv_local(src, deadline, into)
             if self.index in relays:
                 got = self._recv_remote(src, list(relays), timeout)
                 if relays[self.index]:
                     self._send(got, relays[self.index], [], deadline, timeout)
-                return got
+                return got if into is None else self._fill(got, into, src)
             relay = next(r for r, mates in relays.items() if self.index in mates)
-            return self._recv_local(relay, deadline)
+            return self._recv_local(relay, deadline, into)
+
+    def _fill(self, got: Any, into: Any, src: int) -> Any:
+        """``into`` with the tensors of the received object ``got`` copied in."""
+        header, tensors = codec.encode(got)
+        for target, tensor in zip(self._targets(header, into, src), tensors, strict=True):
+            target.copy_(tensor)
+        return into
+
+    def _targets(self, header: Any, into: Any, src: int) -> list[torch.Tensor]:
+        try:
+            return codec.destinations(header, into)
+        except CodecError as exc:
+            raise ProtocolMismatchError(
+                f"broadcast at {self.members[self.index]} from {self.members[src]} into the "
+                f"given tensors: {exc}", peer=self.members[src], op="broadcast",
+            ) from exc
+
+    def _next_seq(self) -> int:
+        seq = self._seq_out
+        self._seq_out += 1
+        return seq
 
     # -- the source ------------------------------------------------------------------------
 
     def _send(
-        self, obj: Any, local: list[int], relays: list[int], deadline: float, timeout: float
+        self, obj: Any, local: list[int], relays: list[int], deadline: float, timeout: float,
+        host_wait: bool = False,
     ) -> None:
-        """Hand ``obj`` to this node's ``local`` members (shared memory) and to the
-        ``relays`` of other nodes (one Gloo transfer each)."""
+        """Hand ``obj`` to this node's ``local`` members (shared memory, or the device for
+        CUDA tensors) and to the ``relays`` of other nodes (one Gloo transfer each)."""
         header, tensors = codec.encode(obj)
         frame, payload = framing.pack(header, tensors)
         failures: dict[int, Exception] = {}
         if local:
             on_cuda = bool(payload) and payload[0].is_cuda
-            shm_payload = [codec.as_bytes(t) for t in tensors if t.numel()] if on_cuda else payload
             source = self._fanout_source(local, deadline)
-            failures.update(source.publish(self._seq_out, frame, shm_payload, deadline))
-            self._seq_out += 1
+            if on_cuda:
+                order = torch.cuda.current_stream(payload[0].device)
+                failures.update(self._device.send(
+                    frame, [t for t in tensors if t.numel()], local, source, self._next_seq,
+                    order, deadline, host_wait,
+                ))
+            else:
+                failures.update(source.publish(self._next_seq(), frame, payload, deadline))
             for member in source.missing():
                 failures.setdefault(member, CommTimeoutError(
                     f"{self._label}: {self.members[member]} did not join within {timeout}s",
@@ -221,8 +272,67 @@ class BroadcastGroup:
 
     # -- receivers ---------------------------------------------------------------------------
 
-    def _recv_local(self, src: int, deadline: float) -> Any:
+    def _recv_local(self, src: int, deadline: float, into: Any = None) -> Any:
         sink = self._sink(src, deadline)
+        while True:
+            msg = self._next_message(sink, src, deadline)
+            header, inline, offer = framing.unpack(msg.frame)
+            if not offer.startswith(SETUP):
+                break
+            self._device.set_up(src, offer, deadline)  # then the broadcast's own message
+        metas = header.tensors
+        sizes = [m.nbytes for m in metas if m.nbytes]
+        if sum(sizes) > max_message_bytes():
+            if offer:
+                self._device.refuse(src, offer, "over the receiver's RLCOMM_MAX_MESSAGE_BYTES")
+            raise ProtocolMismatchError(
+                f"a broadcast from {self.members[src]} declares {sum(sizes)} bytes, over this "
+                f"worker's limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)"
+            )
+        try:
+            targets = None if into is None else self._targets(header, into, src)
+        except ProtocolMismatchError as exc:
+            if offer:
+                self._device.refuse(src, offer, f"the receiver's tensors do not fit: {exc}")
+            raise
+        if header.inline or not metas:
+            tensors = framing.split_inline(header, inline)
+        elif offer:
+            tensors = self._device_tensors(src, header, offer, targets)
+        else:
+            tensors = framing.tensors_from_payload(header, msg.payload(sizes))
+            if metas[0].device.startswith("cuda") and targets is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+                tensors = [t.to(device) for t in tensors]
+        if targets is None:
+            return codec.decode(header, tensors)
+        if tensors is not targets:
+            for target, tensor in zip(targets, tensors, strict=True):
+                target.copy_(tensor)
+        return into
+
+    def _device_tensors(
+        self, src: int, header: Any, offer: bytes, targets: list[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
+        """The CUDA tensors a source offered: copied on the device into ``targets`` (when
+        they lie on a GPU) or into new tensors on this thread's device."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        direct = targets is not None and all(t.is_cuda and t.is_contiguous() for t in targets)
+        sizes = [m.nbytes for m in header.tensors]
+        order = torch.cuda.current_stream(targets[0].device if direct else device)  # type: ignore[index]
+        try:
+            buffers = self._device.receive(src, offer, sizes, targets if direct else None,
+                                           device, order)
+        except CommError as exc:
+            raise type(exc)(
+                f"broadcast at {self.members[self.index]} from {self.members[src]}: {exc}",
+                peer=self.members[src], op="broadcast",
+            ) from exc
+        return targets if direct else framing.tensors_from_payload(header, buffers, device)  # type: ignore[return-value]
+
+    def _next_message(self, sink: FanoutSink, src: int, deadline: float) -> Any:
+        """The next message from ``src`` (older ones are late messages of broadcasts that
+        timed out here: skipped)."""
         expected = self._seq_in.get(src, 0)
         while True:
             try:
@@ -235,23 +345,8 @@ class BroadcastGroup:
                     peer=self.members[src], op="broadcast",
                 ) from exc
             if msg.seq >= expected:
-                break  # older ones are late messages of broadcasts that timed out here
-        self._seq_in[src] = msg.seq + 1
-        header, inline = framing.unpack(msg.frame)
-        metas = header.tensors
-        sizes = [m.nbytes for m in metas if m.nbytes]
-        if sum(sizes) > max_message_bytes():
-            raise ProtocolMismatchError(
-                f"a broadcast from {self.members[src]} declares {sum(sizes)} bytes, over this "
-                f"worker's limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)"
-            )
-        if header.inline or not metas:
-            return codec.decode(header, framing.split_inline(header, inline))
-        tensors = framing.tensors_from_payload(header, msg.payload(sizes))
-        if metas[0].device.startswith("cuda"):
-            device = torch.device("cuda", torch.cuda.current_device())
-            tensors = [t.to(device) for t in tensors]
-        return codec.decode(header, tensors)
+                self._seq_in[src] = msg.seq + 1
+                return msg
 
     def _sink(self, src: int, deadline: float) -> FanoutSink:
         sink = self._sinks.get(src)
@@ -298,6 +393,7 @@ class BroadcastGroup:
         """Stop taking broadcasts and free the shared memory (not under the group's lock:
         a broadcast in flight may hold it until its deadline)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._device.close()
         source, self._source = self._source, None
         if source is not None:
             source.close()

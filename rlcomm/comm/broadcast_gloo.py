@@ -91,7 +91,7 @@ class GlooBroadcast:
             more = torch.empty(rest, dtype=torch.uint8)
             self._run(pg, [more], src, timeout)
             frame += more.numpy().tobytes()
-        header, inline = framing.unpack(frame)
+        header, inline, _ = framing.unpack(frame)
         metas = header.tensors
         if header.inline or not metas:
             return header, framing.split_inline(header, inline)

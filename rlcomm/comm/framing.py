@@ -2,7 +2,8 @@
 
 A frame is a byte string: a little-endian u32 header length, the msgspec header, then
 ``header.inline`` payload bytes when the whole CPU payload is small enough to ride
-along. Transports move frames with ``send_frame`` / ``recv_frame`` (shared memory as a
+along. A device payload that a one-sided transport (CUDA IPC) offers adds its *offer*
+after that: where the receiver reads the payload from. Transports move frames with ``send_frame`` / ``recv_frame`` (shared memory as a
 record of its own length, Gloo as fixed-size messages). Pure: no I/O.
 """
 
@@ -48,12 +49,14 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
     return _LEN.pack(len(hb)) + hb, [codec.as_bytes(t) for t in tensors if t.numel()]
 
 
-def unpack(frame: bytes) -> tuple[MessageHeader, bytes]:
-    """The header and inline payload bytes of a received frame."""
+def unpack(frame: bytes) -> tuple[MessageHeader, bytes, bytes]:
+    """The header, inline payload bytes and offer of a received frame (the offer is what
+    a one-sided transport appended for a device payload: empty for every other)."""
     (hlen,) = _LEN.unpack_from(frame)
-    start = _LEN.size
-    header = codec.header_from_bytes(frame[start : start + hlen])
-    return header, frame[start + hlen : start + hlen + header.inline]
+    start = _LEN.size + hlen
+    header = codec.header_from_bytes(frame[_LEN.size : start])
+    end = start + header.inline
+    return header, frame[start:end], frame[end:]
 
 
 def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor | bytes]:
@@ -83,12 +86,15 @@ def copy_inline_into(tensor: torch.Tensor, inline: bytes) -> None:
         codec.as_bytes(tensor).numpy()[:] = np.frombuffer(inline, dtype=np.uint8)
 
 
-def tensors_from_payload(header: MessageHeader, payload: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Typed tensors from the uint8 payload buffers of a message's non-empty tensors."""
+def tensors_from_payload(
+    header: MessageHeader, payload: list[torch.Tensor], device: torch.device | None = None
+) -> list[torch.Tensor]:
+    """Typed tensors from the uint8 payload buffers of a message's non-empty tensors (its
+    empty ones are made on ``device``, default the CPU)."""
     tensors, it = [], iter(payload)
     for meta in header.tensors:
         if meta.nbytes == 0:
-            tensors.append(codec.empty_like_meta(meta, torch.device("cpu")))
+            tensors.append(codec.empty_like_meta(meta, device or torch.device("cpu")))
         else:
             tensors.append(next(it).view(codec.dtype_of(meta.dtype)).reshape(meta.shape))
     return tensors

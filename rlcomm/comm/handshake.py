@@ -122,7 +122,7 @@ class Handshake:
             store, rank, timeout, str(peer), peer_pid=ep.pid, secret=self._m._secret,
             host=mine.host,
         ))
-        conn.attach(transport, store, rank, facts)
+        conn.attach(transport, store, rank, facts, peer_pid=ep.pid)
 
     def on_note(self, note: Note) -> None:
         if note.kind == "request":

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rlcomm.comm import codec
 from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.handshake import Handshake, parse_address  # noqa: F401 - parse_address: the channel uses it from here
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.identity.registry import job_secret, registry
@@ -53,6 +54,25 @@ _decode_fields = msgspec.msgpack.Decoder(dict | None).decode
 @functools.lru_cache(maxsize=1)
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def _device_order(tensors: list[torch.Tensor], async_op: bool) -> DeviceOrder | None:
+    """Where a CUDA send stands in the caller's work, taken on the caller's thread: its
+    current stream (a blocking send), or an event recorded on it now (an async one, whose
+    payload is read later, on rlcomm's thread, after the work queued before the call)."""
+    if not tensors or not tensors[0].is_cuda:
+        return None
+    stream = torch.cuda.current_stream(tensors[0].device)
+    if not async_op:
+        return DeviceOrder(stream, stream, False)
+    mark = torch.cuda.Event()
+    mark.record(stream)
+    return DeviceOrder(mark, None, True)
+
+
+def _on_stream(stream: Any, fn: Callable[[], Any]) -> Any:
+    with torch.cuda.stream(stream):
+        return fn()
 
 
 def _ray_session() -> str:
@@ -220,41 +240,47 @@ class CommManager:
         header, tensors = codec.encode_raw(obj) if raw else codec.encode(obj, piggyback)
         conn = self.connection(dst, options)
         timeout = op_timeout(options)
+        order = _device_order(tensors, async_op)
         if async_op:
             what = f"{'send_tensor' if raw else 'send'} from {self.address} to {dst}"
             check = None
             if not conn.checked_first_contact:
                 check = lambda: self._check_first_contact(conn, options, timeout)  # noqa: E731
-            return AsyncWork(conn.submit_send(header, tensors, timeout, check), what, timeout)
+            return AsyncWork(conn.submit_send(header, tensors, timeout, check, order), what, timeout)
         self._check_first_contact(conn, options, timeout)
-        conn.send_inline(header, tensors, timeout)
+        conn.send_inline(header, tensors, timeout, order)
         return None
 
     def recv(
         self, src: WorkerAddress, async_op: bool, options: CollectiveGroupOptions | None,
-        into: torch.Tensor | None = None,
+        tensor: torch.Tensor | None = None, into: Any = None,
     ) -> Any:
-        if into is not None and not into.is_contiguous():
+        """Receive the next message from ``src``: an object, its tensors copied ``into``
+        existing ones, or (``tensor``) a ``send_tensor`` message in place."""
+        if tensor is not None and not tensor.is_contiguous():
             raise ValueError("recv_tensor: the destination tensor must be contiguous")
         conn = self.connection(src, options)
         ticket = conn.take_ticket()
         timeout = op_timeout(options)
-        device = None
+        device = stream = None
         if _cuda_available() and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
+            stream = torch.cuda.current_stream(device)
 
         def run() -> Any:
             try:
                 self._check_first_contact(conn, options, timeout)
-                if into is not None:
-                    return conn.recv_tensor_into(ticket, into, timeout)
-                return conn.recv_object(ticket, timeout, device)
+                if tensor is not None:
+                    return conn.recv_tensor_into(ticket, tensor, timeout)
+                return conn.recv_object(ticket, timeout, device, into)
             except BaseException:
                 conn.release_ticket(ticket)  # unless served: every early exit gives it up
                 raise
 
         if async_op:
-            what = f"{'recv_tensor' if into is not None else 'recv'} at {self.address} from {src}"
+            what = f"{'recv_tensor' if tensor is not None else 'recv'} at {self.address} from {src}"
+            if stream is not None:  # the received tensors are ordered on the caller's stream
+                run = functools.partial(_on_stream, stream, run)
             return AsyncWork(conn.run_async(run), what, timeout)
         return run()
 
@@ -270,7 +296,7 @@ class CommManager:
 
     def broadcast(
         self, obj: Any, groups: GroupsSpec, src: tuple[str, RankLike] | None, async_op: bool,
-        options: CollectiveGroupOptions | None,
+        options: CollectiveGroupOptions | None, into: Any = None,
     ) -> Any:
         members = expand_groups(groups)
         if self.address not in members:
@@ -286,7 +312,11 @@ class CommManager:
             src_index = members.index(src_addr)
         timeout = op_timeout(options)
         group = self._broadcast_group(tuple(members), timeout)
-        fut = group.submit(obj, src_index, timeout)
+        cuda = None
+        if _cuda_available() and torch.cuda.is_initialized():
+            device = torch.device("cuda", torch.cuda.current_device())
+            cuda = (device, torch.cuda.current_stream(device))
+        fut = group.submit(obj, src_index, timeout, into, cuda, host_wait=async_op)
         work = AsyncWork(fut, f"broadcast at {self.address} from {members[src_index]}", timeout)
         return work if async_op else work.wait()
 

@@ -145,12 +145,23 @@ class Worker(DispatchInfoMixin):
         even before the peer calls :meth:`recv`. It is thread-safe: messages of
         concurrent senders never interleave.
 
+        CUDA tensors to a worker on the same GPU travel by CUDA IPC, one device copy
+        each way at most: a payload of up to ``RLCOMM_CUDA_SLOT_BYTES`` (1 MiB) is
+        copied into a staging slot and the send returns at once; a larger one is *lent*:
+        the receiver copies it straight out of these tensors, and the send returns once
+        it has (this thread's current stream is then ordered after that copy: write the
+        tensors from another stream only after synchronizing). With ``async_op=True``
+        the returned work is done once the receiver's copy has finished. Two workers
+        that both send lent payloads to each other before receiving still both go on,
+        each taking in the other's payload while it waits.
+
         Args:
             object: what to send. Do not mix CPU and CUDA tensors in one container.
             dst_group_name: the destination worker group.
             dst_rank: its rank, or a rank path (list of ints) for a sub-worker.
             async_op: return an :class:`AsyncWork` instead of blocking. Do not modify
-                the sent tensors until it is done.
+                the sent tensors until it is done. A CUDA send is ordered after the work
+                queued on the current stream before the call.
             options: options of the connection, used on first contact; their
                 ``timeout`` applies to this call.
             piggyback_payload: any picklable object delivered beside ``object``; the
@@ -173,6 +184,7 @@ class Worker(DispatchInfoMixin):
         src_rank: RankLike,
         async_op: bool = False,
         options: CollectiveGroupOptions | None = None,
+        into: Any = None,
     ) -> Any:
         """Receive the next object the worker ``(src_group_name, src_rank)`` sent.
 
@@ -180,15 +192,26 @@ class Worker(DispatchInfoMixin):
         on this thread's current CUDA device. With a piggyback payload it returns
         ``(object, payload)``. Receives from one peer are served in call order.
 
+        With ``into``, the received tensors are copied into existing ones instead, and
+        ``into`` is returned: a tensor for a sent tensor, a list of as many tensors for a
+        list, a dict (a model's ``state_dict()``, say) holding every key of a sent dict;
+        each with the sent dtype and shape. A weight sync is then one copy per receiver:
+        between workers on one GPU, the CUDA payload is copied straight from the sender's
+        memory into these tensors. (An extension of RLinf's ``recv``.)
+
+        CUDA payloads are ordered on this thread's current stream: work queued on it
+        after ``recv`` returns sees the received values.
+
         Raises:
             ProtocolMismatchError: the next message was sent with ``send_tensor`` (it
-                stays queued for a ``recv_tensor``).
+                stays queued for a ``recv_tensor``), or does not fit ``into`` (it stays
+                queued; the error names the key).
             CommTimeoutError: nothing arrived within the timeout (nothing is lost: a
                 message that arrives later goes to the next receive).
             PeerLostError: the peer died; messages it sent before are still delivered.
         """
         src = WorkerAddress.of(src_group_name, src_rank)
-        return self._comm.recv(src, async_op, options)
+        return self._comm.recv(src, async_op, options, into=into)
 
     def send_tensor(
         self,
@@ -226,7 +249,7 @@ class Worker(DispatchInfoMixin):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"recv_tensor needs a torch.Tensor, got {type(tensor).__name__}")
         src = WorkerAddress.of(src_group_name, src_rank)
-        return self._comm.recv(src, async_op, options, into=tensor)
+        return self._comm.recv(src, async_op, options, tensor=tensor)
 
     def broadcast(
         self,
@@ -235,6 +258,7 @@ class Worker(DispatchInfoMixin):
         src: tuple[str, RankLike] | None = None,
         async_op: bool = False,
         options: CollectiveGroupOptions | None = None,
+        into: Any = None,
     ) -> Any:
         """Broadcast an object from ``src`` to every worker listed in ``groups``.
 
@@ -254,6 +278,19 @@ class Worker(DispatchInfoMixin):
         one to be freed. Participants on other nodes get it over Gloo (NCCL for CUDA
         tensors), one transfer each.
 
+        CUDA tensors go by GPU: a participant on the source's node that sees the source's
+        GPU (the same one, as colocated workers do) copies them straight from the
+        source's memory on the device, one copy each, never through host memory; the
+        source returns once all have (its current stream is then ordered after their
+        copies: later work on it may write the tensors; with ``async_op`` the work is done
+        once the copies have finished). Participants that do not see that GPU get them
+        through shared memory as above.
+
+        ``into`` (receivers only; an extension of RLinf's ``broadcast``): copy the
+        received tensors into these existing ones and return ``into``, as
+        :meth:`recv` does: a weight sync into the parameters is then one copy per
+        receiver. The source ignores it.
+
         Returns:
             The object on every participant (an :class:`AsyncWork` if ``async_op``). On
             the source, its own ``object``.
@@ -266,7 +303,7 @@ class Worker(DispatchInfoMixin):
         """
         if groups is None:
             raise ValueError("broadcast: groups is required, e.g. [('trainer', 0), ('rollout', [0, 1])]")
-        return self._comm.broadcast(object, groups, src, async_op, options)
+        return self._comm.broadcast(object, groups, src, async_op, options, into)
 
     # -- channels ---------------------------------------------------------------------------
     # The seam between workers and channels: a worker offers channels (RLinf's

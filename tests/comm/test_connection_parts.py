@@ -133,7 +133,8 @@ def test_a_stalled_payload_waits_for_the_receive_op_that_takes_it(ends):
     msg = reader.receive(reader.take_ticket(), 10, lambda m: (True, m), "recv_tensor")
     assert msg.deferred and reader.state is ReaderState.STALLED
     dst = torch.empty_like(src)
-    reader.read_deferred(msg, [codec.as_bytes(dst)], 10, "recv_tensor")
+    buffers = [codec.as_bytes(dst)]
+    reader.read_deferred(msg, lambda t: reader.read_payload(t, buffers, 10), 10, "recv_tensor")
     assert reader.state is ReaderState.IDLE and torch.equal(dst, src)
 
 

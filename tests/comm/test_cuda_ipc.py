@@ -7,6 +7,7 @@ connection's wiring) run on CPU; the worker tests need a CUDA device.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -24,17 +25,17 @@ from rlcomm.comm.connection import Connection
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.store import StoreClient, StoreServer, sub_store
 from rlcomm.comm.transports import gpus, registry
-from rlcomm.comm.transports.cuda_ipc import CudaIpcTransport
-from rlcomm.comm.transports.cuda_ipc_board import (
+from rlcomm.comm.transports.cuda_ipc import (
     ALIGN,
-    Offer,
-    OfferBoard,
+    CudaIpcTransport,
     byte_views,
     payload_layout,
 )
 from rlcomm.comm.transports.gpus import exchange_gpu_uuids
 from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.errors import CommTimeoutError, PeerLostError, ProtocolMismatchError
+from rlcomm.settings import get_settings, update_settings
+from tests.comm.fake_device import FakeDevice, held
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_shm = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
@@ -56,15 +57,6 @@ def stores(request):
     finally:
         own.close()
 
-
-def _offer(**changes) -> Offer:
-    fields = dict(
-        gpu="GPU-1234", mem_handle=b"\x01" * 64, storage_bytes=4 << 20, storage_offset=512,
-        ref_counter=b"/torch_1_2", ref_counter_offset=3, share_event=b"\x02" * 64,
-        share_event_sync=True, event=b"\x03" * 64, offsets=[0, 256], sizes=[10, 20],
-    )
-    fields.update(changes)
-    return Offer(**fields)
 
 
 # -- the choice --------------------------------------------------------------------------------
@@ -127,84 +119,218 @@ def test_byte_views_refuse_cpu_and_strided_tensors():
         byte_views([torch.ones(4, 4).t()], "send")
 
 
-# -- the store protocol ---------------------------------------------------------------------------
+
+# -- the protocol on a fake device -----------------------------------------------------------
 
 
-def test_offer_board_round_trip_and_cleanup(stores):
-    sender, receiver = OfferBoard(stores[0], 0, "r"), OfferBoard(stores[1], 0, "s")
-    offer = _offer()
-    sender.post(0, offer)
-    assert receiver.take(0, 5) == offer
-    receiver.ack(0)
-    sender.wait_ack(0, 5)
-    # Read keys are deleted: a long stream does not grow the store.
-    assert not stores[0].check(["0/offer/0"]) and not stores[0].check(["0/ack/0"])
-    sender.post(1, _offer(sizes=[1, 2]))
-    assert receiver.take(1, 5).sizes == [1, 2]
+@pytest.fixture
+def small_slots():
+    """Slots of 4 KiB (payloads above are lent), 4 of them; restored after."""
+    before = get_settings()
+    update_settings(cuda_slot_bytes=4096, cuda_staging_slots=4)
+    yield
+    update_settings(cuda_slot_bytes=before.cuda_slot_bytes,
+                    cuda_staging_slots=before.cuda_staging_slots)
 
 
-def test_offer_board_refusal_reaches_the_sender(stores):
-    sender, receiver = OfferBoard(stores[0], 1, "r"), OfferBoard(stores[1], 1, "s")
-    sender.post(7, _offer())
-    receiver.take(7, 5)
-    receiver.ack(7, "buffers of other sizes")
-    with pytest.raises(ProtocolMismatchError, match="message 7 to r: .*buffers of other sizes"):
-        sender.wait_ack(7, 5)
+@pytest.fixture
+def ipc(stores, small_slots):
+    """Two CUDA IPC transports on fake devices (one GPU, one process each): real link
+    sockets and set-up through the store, CPU memory as the GPU's."""
+    devs = [FakeDevice(), FakeDevice()]
+    ends: dict[int, CudaIpcTransport] = {}
+
+    def make(rank: int) -> None:
+        ends[rank] = CudaIpcTransport(
+            sub_store(stores[rank], "cuda_ipc"), rank, f"end{1 - rank}", torch.device("cpu"),
+            10, os.getpid(), devs[rank],
+        )
+
+    t = threading.Thread(target=make, args=(1,))
+    t.start()
+    make(0)
+    t.join(timeout=10)
+    yield ends[0], ends[1], devs
+    for end in ends.values():
+        end.close()
 
 
-def test_offer_board_waits_time_out(stores):
-    sender, receiver = OfferBoard(stores[0], 0, "r"), OfferBoard(stores[1], 0, "s")
-    with pytest.raises(CommTimeoutError, match="recv of message 0 with s"):
-        receiver.take(0, 0.3)
-    sender.post(0, _offer())
-    with pytest.raises(CommTimeoutError, match="send of message 0 with r"):
-        sender.wait_ack(0, 0.3)
-    # The client is still usable after a timed-out wait.
-    assert receiver.take(0, 5) == _offer()
+def _send(end, tensors, deadline=None, on_wait=None):
+    """Offer ``tensors`` and complete the send as a connection does (no frame needed:
+    the offer bytes are handed over by the test)."""
+    deadline = time.monotonic() + 5 if deadline is None else deadline
+    out = end.offer(tensors, None, deadline, on_wait)
+    return out
 
 
-def test_directions_use_their_own_keys(stores):
-    """Both ranks send message 0 at once: each receives the other's offer."""
-    boards = {r: OfferBoard(stores[r], r, "p") for r in (0, 1)}
-    boards[0].post(0, _offer(gpu="from-0"))
-    boards[1].post(0, _offer(gpu="from-1"))
-    assert OfferBoard(stores[1], 0, "p").take(0, 5).gpu == "from-0"
-    assert OfferBoard(stores[0], 1, "p").take(0, 5).gpu == "from-1"
+def test_a_small_payload_is_staged_in_one_copy_and_the_send_does_not_wait(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    tensors = [torch.arange(10, dtype=torch.float32), torch.ones(3, 4, dtype=torch.int64),
+               torch.empty(0), torch.tensor([7], dtype=torch.uint8)]
+    out = _send(a, tensors)
+    assert not out.lent and out.slot is not None
+    a.complete(out, None, time.monotonic() + 0.01)  # nothing to wait for
+    assert dev_a.copies == 1  # all tensors into the slot in one batched copy
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    got = b.accept(out.offer, sizes, None, None, None)
+    assert dev_b.copies == 1  # and out of it in one copy
+    want = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    _wait(lambda: a.stats()["in_flight"] == 0)  # the ack freed the slot
+    assert a.stats()["acked"] == 1 and b.stats()["received"] == 1
 
 
-# -- the transport without a GPU -------------------------------------------------------------------
+def test_a_large_payload_is_lent_and_the_send_waits_for_the_receivers_copy(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    big = torch.randn(4096)  # 16 KiB > the 4 KiB slots
+    out = _send(a, [big])
+    assert out.lent and dev_a.copies == 0 and dev_a.shares == 1
+    with pytest.raises(CommTimeoutError, match="did not take it in time"):
+        a.complete(out, None, time.monotonic() + 0.2)
+    # A lent payload the receiver did not take in time: this path is out of step.
+    with pytest.raises(PeerLostError, match="failed earlier"):
+        _send(a, [big])
 
 
-def test_transport_checks_before_touching_the_gpu(stores):
-    with pytest.raises(ValueError, match="rank must be 0 or 1"):
-        CudaIpcTransport(stores[0], 2, "p")
-    transport = CudaIpcTransport(stores[0], 0, "p")
-    with pytest.raises(ValueError, match="cuda_ipc send to p: tensor 0 is on cpu"):
-        transport.send([torch.ones(2)], 1)
-    with pytest.raises(ValueError, match="cuda_ipc recv from p: tensor 0 is on cpu"):
-        transport.recv_into([torch.ones(2)], 1)
-    transport.send([], 0.1)  # an empty payload is no message: nothing to wait for
-    transport.recv_into([], 0.1)
-    transport.close()
-    with pytest.raises(PeerLostError, match="closed"):
-        transport.send([], 1)
+def test_a_lent_payload_lands_straight_in_the_receivers_tensors(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    params = {"w": torch.randn(64, 64), "b": torch.randn(4096)}
+    dst = {k: torch.zeros_like(v) for k, v in params.items()}
+    for round_ in range(3):
+        params["w"].add_(1)
+        out = _send(a, list(params.values()))
+        done = threading.Thread(target=a.complete, args=(out, None, time.monotonic() + 10))
+        done.start()
+        b.accept(out.offer, [v.numel() * 4 for v in params.values()], list(dst.values()),
+                 None, None)
+        done.join(timeout=10)
+        assert not done.is_alive()
+        assert all(torch.equal(dst[k], params[k]) for k in params)
+    assert dev_b.copies == 3 and dev_b.allocated == 0  # one copy per sync, into place
+    assert dev_a.shares == 2  # each allocation shared once, then reused
+    assert b.stats()["opened"] == 2
 
 
-def test_transports_of_both_ends_meet_on_their_cloned_stores(stores):
-    ends = [CudaIpcTransport(sub_store(stores[r], "cuda_ipc"), r, "p") for r in (0, 1)]
+def test_slots_are_reused_after_acks_and_a_full_staging_times_out(ipc):
+    a, b, _ = ipc
+    outs = [_send(a, [torch.full((8,), float(i))]) for i in range(4)]
+    assert sorted(o.slot for o in outs) == [0, 1, 2, 3]
+    with pytest.raises(CommTimeoutError, match="all 4 staging slots"):
+        _send(a, [torch.ones(8)], time.monotonic() + 0.2)
+    for i, out in enumerate(outs[:2]):
+        (got,) = b.accept(out.offer, [32], None, None, None)
+        assert torch.equal(got.view(torch.float32), torch.full((8,), float(i)))
+    again = _send(a, [torch.ones(8)])  # waits for, and takes, a slot the acks freed
+    assert again.slot in (outs[0].slot, outs[1].slot)
+
+
+def test_a_send_waiting_for_a_slot_runs_its_on_wait(ipc):
+    a, b, _ = ipc
+    outs = [_send(a, [torch.full((8,), float(i))]) for i in range(4)]
+    took: list[int] = []
+
+    def on_wait() -> None:  # what a connection does: take in what the peer offered
+        if outs:
+            b.accept(outs.pop(0).offer, [32], None, None, None)
+            took.append(1)
+
+    _send(a, [torch.ones(8)], on_wait=on_wait)
+    assert took
+
+
+def test_a_refused_offer_reaches_a_lending_sender(ipc):
+    a, b, _ = ipc
+    out = _send(a, [torch.randn(4096)])
+    with pytest.raises(ProtocolMismatchError, match="buffers are"):
+        b.accept(out.offer, [100], None, None, None)
+    with pytest.raises(ProtocolMismatchError, match="refused it: it holds tensors of"):
+        a.complete(out, None, time.monotonic() + 5)
+    # Refusals keep both ends in step.
+    out = _send(a, [torch.ones(8)])
+    assert b.accept(out.offer, [32], None, None, None)[0].numel() == 32
+
+
+def test_offers_out_of_order_or_malformed_close_the_path(ipc):
+    a, b, _ = ipc
+    first, second = _send(a, [torch.ones(8)]), _send(a, [torch.ones(8)])
+    with pytest.raises(ProtocolMismatchError, match="message 0 was due"):
+        b.accept(second.offer, [32], None, None, None)
+    with pytest.raises(PeerLostError, match="failed earlier"):
+        b.accept(first.offer, [32], None, None, None)
+    with pytest.raises(ProtocolMismatchError, match="malformed offer"):
+        CudaIpcTransport.accept(b, b"\x93garbage", [32], None, None, None)
+
+
+def test_an_offer_of_memory_the_receiver_cannot_see_is_refused(ipc):
+    a, b, (_, dev_b) = ipc
+    dev_b.visible = {"GPU-other": 0}
+    out = _send(a, [torch.ones(8)])
+    with pytest.raises(ProtocolMismatchError, match="does not see"):
+        b.accept(out.offer, [32], None, None, None)
+
+
+def test_the_sender_sees_its_peer_lost_and_releases_what_it_shared(ipc):
+    a, b, (dev_a, _) = ipc
+    staged = _send(a, [torch.ones(8)])
+    lent_tensor = torch.randn(4096)
+    lent = _send(a, [lent_tensor])
+    shares = [s for s in a._shared]
+    assert len(shares) == 2 and all(held(s) == 1 for s in shares)
+    b.close()  # the receiver's process is gone: its end of the link closes
+    with pytest.raises(PeerLostError, match="gone"):
+        a.complete(lent, None, time.monotonic() + 5)
+    a.close(lost=True)  # what the connection does when its peer is lost
+    assert all(held(s) == 0 for s in shares)
+    assert a.stats()["staging_bytes"] == 0 and a.stats()["lent"] == 0
+    del staged
+
+
+def test_idle_staging_and_opened_memory_are_released(ipc):
+    a, b, _ = ipc
+    before = get_settings().cuda_idle_release
+    update_settings(cuda_idle_release=0.2)
     try:
-        ends[0]._outgoing.post(0, _offer(gpu="from-0"))
-        ends[1]._outgoing.post(0, _offer(gpu="from-1"))
-        assert ends[1]._incoming.take(0, 5).gpu == "from-0"
-        assert ends[0]._incoming.take(0, 5).gpu == "from-1"
-        ends[1]._incoming.ack(0)
-        ends[0]._outgoing.wait_ack(0, 5)
-        # The keys lie under the transport's own prefix of the connection's store.
-        ends[0]._outgoing.post(1, _offer())
-        assert stores[1].check(["cuda_ipc/0/offer/1"])
+        out = _send(a, [torch.ones(8)])
+        b.accept(out.offer, [32], None, None, None)
+        _wait(lambda: a.stats()["in_flight"] == 0)
+        assert a.stats()["staging_bytes"] and b.stats()["opened"] == 1
+        _wait(lambda: a.stats()["staging_bytes"] == 0 and b.stats()["opened"] == 0)
+        out = _send(a, [torch.full((8,), 3.0)])  # staging is made anew on demand
+        assert b.accept(out.offer, [32], None, None, None)[0].view(torch.float32)[0] == 3.0
     finally:
-        for end in ends:
-            end.close()
+        update_settings(cuda_idle_release=before)
+
+
+def test_a_thousand_syncs_hold_no_more_memory_than_one(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    params = [torch.randn(2048) for _ in range(4)]
+    dst = [torch.empty_like(p) for p in params]
+
+    def sync(fresh: bool) -> None:
+        src = [p.clone() for p in params] if fresh else params
+        out = _send(a, src)
+        done = threading.Thread(target=a.complete, args=(out, None, time.monotonic() + 10))
+        done.start()
+        b.accept(out.offer, [8192] * 4, dst, None, None)
+        done.join(timeout=10)
+
+    for fresh in (False, True):  # the same tensors each time, and new ones each time
+        for _ in range(500):
+            sync(fresh)
+        # The receiver keeps open only what the last sync used; the sender's shares of
+        # freed tensors are forgotten once it shares more than it keeps.
+        assert b.stats()["opened"] == 4 and dev_b.opened == 4
+        assert dev_b.allocated == 0
+    assert a.stats()["acked"] == 1000
+    assert torch.equal(dst[0], params[0])
+
+
+def _wait(cond, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
 
 
 # -- the connection's choice, wired (GPU UUIDs faked) ---------------------------------------------
@@ -228,6 +354,13 @@ def _choose_both(conns, uuids: dict[str, str], monkeypatch) -> list:
         ),
     )
     monkeypatch.setitem(registry._specs, "nccl", fake)
+    ipc_on_fake = dataclasses.replace(
+        registry.spec("cuda_ipc"), factory=lambda setup: CudaIpcTransport(
+            setup.store, setup.rank, setup.peer, setup.device, setup.timeout,
+            setup.peer_pid, FakeDevice(),
+        ),
+    )
+    monkeypatch.setitem(registry._specs, "cuda_ipc", ipc_on_fake)
     a, b = conns
     got: list = [None, None]
 

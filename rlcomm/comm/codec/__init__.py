@@ -44,7 +44,7 @@ from rlcomm.comm.codec.header import (
     header_from_bytes,
     header_to_bytes,
 )
-from rlcomm.comm.codec.message import decode, encode, encode_framed, encode_raw
+from rlcomm.comm.codec.message import decode, destinations, encode, encode_framed, encode_raw
 from rlcomm.comm.codec.pickling import PICKLE_PROTOCOL, set_strict_mode, strict_mode
 from rlcomm.comm.codec.tensors import as_bytes, empty_like_meta, meta_of
 
@@ -60,6 +60,7 @@ __all__ = [
     "TupleNode",
     "as_bytes",
     "decode",
+    "destinations",
     "dtype_of",
     "empty_like_meta",
     "encode",

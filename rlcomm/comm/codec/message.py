@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from rlcomm.comm.codec.header import DataclassNode, DictNode, Kind, MessageHeader, TensorMeta
+from rlcomm.comm.codec.header import (
+    _DTYPE_NAMES,
+    DataclassNode,
+    DictNode,
+    Kind,
+    MessageHeader,
+    TensorMeta,
+)
 from rlcomm.comm.codec.pickling import pickle_object, unpickle
 from rlcomm.comm.codec.structure import Walker, build, render
 from rlcomm.comm.codec.tensors import check_one_device, prepare
@@ -144,6 +151,58 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+
+
+def destinations(header: MessageHeader, into: Any) -> list[torch.Tensor]:
+    """The tensors of ``into`` that receive a message's tensors, in header order: a
+    receive *into* existing tensors (a weight sync into a model's parameters).
+
+    ``into`` matches the message's shape of object: a tensor for a tensor, a list (or
+    tuple) of as many tensors for a list, a mapping holding every key of a dict (keys the
+    message lacks are left alone). Each tensor must have the sent dtype and shape; its
+    device may differ.
+
+    Raises:
+        CodecError: ``into`` does not fit the message; the error names where.
+    """
+    kind, metas = header.kind, header.tensors
+    if kind == Kind.TENSOR or kind == Kind.RAW:
+        targets, names = [into], ["the tensor"]
+    elif kind == Kind.TENSOR_LIST:
+        if not isinstance(into, (list, tuple)) or len(into) != len(metas):
+            raise CodecError(
+                f"into= must be a list of {len(metas)} tensors for this message (a list), "
+                f"got {_describe(into)}"
+            )
+        targets, names = list(into), [f"into[{i}]" for i in range(len(metas))]
+    elif kind == Kind.TENSOR_DICT and type(header.structure) is DictNode:
+        keys = header.structure.keys
+        if not hasattr(into, "keys") or not hasattr(into, "__getitem__"):
+            raise CodecError(f"into= must be a dict for this message (a dict), got {_describe(into)}")
+        missing = [k for k in keys if k not in into]
+        if missing:
+            raise CodecError(f"into= lacks keys {missing[:8]} of the received dict"
+                             f"{' (and more)' if len(missing) > 8 else ''}")
+        targets, names = [into[k] for k in keys], [f"into[{k!r}]" for k in keys]
+    else:
+        raise CodecError(
+            f"a {Kind(kind).name} message cannot be received into tensors: into= takes a "
+            "tensor, a list of tensors or a dict of str to tensors"
+        )
+    for target, name, meta in zip(targets, names, metas, strict=True):
+        if not isinstance(target, torch.Tensor):
+            raise CodecError(f"{name} is a {type(target).__qualname__}, not a tensor")
+        got = _DTYPE_NAMES.get(target.dtype)
+        if (got, tuple(target.shape)) != (meta.dtype, tuple(meta.shape)):
+            raise CodecError(
+                f"{name} is {got} of shape {tuple(target.shape)} but the sender sent "
+                f"{meta.dtype} of shape {tuple(meta.shape)}"
+            )
+    return targets
+
+
+def _describe(obj: Any) -> str:
+    return f"a {type(obj).__qualname__}" + (f" of {len(obj)}" if hasattr(obj, "__len__") else "")
 
 
 def _to_bytes(data: torch.Tensor | bytes, meta: TensorMeta) -> bytes:

@@ -30,12 +30,18 @@ from rlcomm.comm.connection.incoming import Incoming
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.reader import Reader
 from rlcomm.comm.connection.receiver import start_receiver_thread
-from rlcomm.comm.connection.sender import Sender
+from rlcomm.comm.connection.sender import DeviceOrder, Sender
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports import gpus, registry
-from rlcomm.comm.transports.base import Transport
+from rlcomm.comm.transports.base import OneSidedTransport, Transport
 from rlcomm.comm.transports.registry import PairFacts, TransportSetup
-from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
+from rlcomm.errors import (
+    CodecError,
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolMismatchError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +68,13 @@ class Connection:
         #: What both ends know alike about the pair (set at the handshake; the GPU fact
         #: at the first CUDA payload).
         self.facts = PairFacts(same_node=False)
-        self._cuda: Transport | None = None  # CUDA payloads' transport, made on first use
+        self._cuda: Transport | OneSidedTransport | None = None  # made on first use
+        self._peer_pid: int | None = None
         self._cuda_lock = threading.Lock()
         self.reader = Reader(peer, self.fail, self.wait_ready, self._cuda_transport)
         self.sender = Sender(
-            peer, self.wait_ready, lambda: self.reader.error, self.fail, self._cuda_transport
+            peer, self.wait_ready, lambda: self.reader.error, self.fail, self._cuda_transport,
+            self.reader.take_in_offers,
         )
         self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
         self._consumer_lock = threading.Lock()
@@ -82,11 +90,13 @@ class Connection:
     # -- life cycle -------------------------------------------------------------------------
 
     def attach(
-        self, transport: Transport, store: dist.Store, rank: int, facts: PairFacts | None = None
+        self, transport: Transport, store: dist.Store, rank: int, facts: PairFacts | None = None,
+        peer_pid: int | None = None,
     ) -> None:
         """Hand the connected ``transport`` over (its rendezvous ``store``, this end's
-        ``rank``, the pair's ``facts``) and start reading."""
+        ``rank``, the pair's ``facts``, the peer's process id) and start reading."""
         self._transport, self._store, self._rank = transport, store, rank
+        self._peer_pid = peer_pid
         if facts is not None:
             self.facts = facts
         self.transport_name = transport.name
@@ -108,6 +118,11 @@ class Connection:
             listener.on_error(error)
         if self._on_lost is not None:
             self._on_lost(self)
+        cuda = self._cuda
+        if isinstance(cuda, OneSidedTransport):
+            # What the peer held of this end's GPU memory is released at once when it is
+            # gone (its process cannot release it any more).
+            cuda.close(lost=isinstance(error, PeerLostError))
 
     def peer_gone(self) -> bool:
         """Whether the connection failed, or its transport sees the peer gone now (the
@@ -145,8 +160,9 @@ class Connection:
             self._consumer.shutdown(wait=False, cancel_futures=True)
         if self._transport is not None:
             self._transport.close()
-        if self._cuda is not None and self._cuda.close_on_teardown:
-            self._cuda.close()
+        cuda = self._cuda
+        if cuda is not None and cuda.close_on_teardown:
+            cuda.close()
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -156,13 +172,17 @@ class Connection:
         tensors: list[torch.Tensor],
         timeout: float,
         before: Callable[[], None] | None = None,
+        order: DeviceOrder | None = None,
     ) -> concurrent.futures.Future:
         """Queue a message on the sender thread (see :meth:`.Sender.submit`)."""
-        return self.sender.submit(header, tensors, timeout, before)
+        return self.sender.submit(header, tensors, timeout, before, order)
 
-    def send_inline(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
+    def send_inline(
+        self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float,
+        order: DeviceOrder | None = None,
+    ) -> None:
         """Send a message from the calling thread, after any queued async sends."""
-        self.sender.send_inline(header, tensors, timeout)
+        self.sender.send_inline(header, tensors, timeout, order)
 
     def send_message(self, obj: Any, timeout: float) -> None:
         """Encode ``obj`` and send it from the calling thread: the short path of a caller
@@ -170,15 +190,20 @@ class Connection:
         header, tensors = codec.encode(obj)
         self.sender.send_inline(header, tensors, timeout)
 
-    def _cuda_transport(self, device: torch.device, timeout: float) -> Transport:
+    def _cuda_transport(
+        self, device: torch.device | None, timeout: float
+    ) -> Transport | OneSidedTransport | None:
         """The transport of this connection's CUDA payloads, chosen and made at the first
         one sent or received: both ends swap the UUID of their GPU (``device``'s), which
         completes the pair's facts, and the registry picks from them (CUDA IPC on one
-        GPU, else NCCL, which refuses two ranks on one GPU).
+        GPU, else NCCL, which refuses two ranks on one GPU). ``device=None``: the one
+        made already, if any (never waits).
 
         Raises:
             CommTimeoutError: the peer did not reach its first CUDA op within ``timeout``.
         """
+        if device is None or self._cuda is not None:
+            return self._cuda
         with self._cuda_lock:
             if self._cuda is None:
                 store = self._store
@@ -191,7 +216,8 @@ class Connection:
                     self.peer, spec.name, mine, theirs,
                 )
                 self._cuda = spec.factory(TransportSetup(
-                    sub_store(store, spec.name), self._rank, timeout, self.peer, device=device,
+                    sub_store(store, spec.name), self._rank, timeout, self.peer,
+                    peer_pid=self._peer_pid, device=device,
                 ))
             return self._cuda
 
@@ -217,24 +243,62 @@ class Connection:
         """Serve receive ``ticket`` (see :meth:`.Reader.receive`)."""
         return self.reader.receive(ticket, timeout, handle, what)
 
-    def recv_object(self, ticket: int, timeout: float, device: torch.device | None) -> Any:
+    def recv_object(
+        self, ticket: int, timeout: float, device: torch.device | None, into: Any = None
+    ) -> Any:
+        """Serve receive ``ticket``: the next object (see ``Worker.recv``), or, with
+        ``into``, its tensors copied into ``into``'s (see :func:`codec.destinations`),
+        which is returned (with the piggyback, if any)."""
+        targets: list[torch.Tensor] | None = None
+
         def handle(msg: Incoming) -> tuple[bool, Any]:
+            nonlocal targets
             if msg.header.kind == Kind.RAW:
                 raise ProtocolMismatchError(
                     f"recv from {self.peer}: the peer sent this message with send_tensor(); "
                     "receive it with recv_tensor() (do not mix send/recv with "
                     "send_tensor/recv_tensor)"
                 )
+            if into is not None:
+                try:
+                    targets = codec.destinations(msg.header, into)
+                except CodecError as exc:
+                    raise ProtocolMismatchError(
+                        f"recv from {self.peer} into the given tensors: {exc} (the message "
+                        "stays queued)"
+                    ) from exc
             return True, msg
 
         msg = self.reader.receive(ticket, timeout, handle, "recv")
-        if msg.deferred:
-            dev = device or torch.device("cuda", torch.cuda.current_device())
-            buffers = [codec.empty_like_meta(m, dev) for m in msg.header.tensors]
-            tensors = self.reader.read_deferred(msg, buffers, timeout, "recv")
+        tensors = self._payload(msg, targets, device, timeout, "recv")
+        if into is None:
+            return codec.decode(msg.header, tensors)
+        if msg.header.piggyback is not None:
+            return into, codec.decode(msg.header, tensors)[1]
+        return into
+
+    def _payload(
+        self, msg: Incoming, targets: list[torch.Tensor] | None, device: torch.device | None,
+        timeout: float, what: str,
+    ) -> list[torch.Tensor]:
+        """The tensors of ``msg`` taken by a receive op (into ``targets`` if given)."""
+        if msg.on_device:
+            return self.reader.device_payload(msg, targets, device, timeout, what)
+        if msg.deferred:  # a send_tensor CPU payload: straight into its destination
+            direct = targets is not None and all(
+                t.is_contiguous() and not t.is_cuda for t in targets)
+            buffers = targets if direct else [
+                codec.empty_like_meta(m, torch.device("cpu")) for m in msg.header.tensors]
+            self.reader.read_deferred(
+                msg, lambda t: self.reader.read_payload(t, buffers, timeout), timeout, what)
+            tensors = buffers
         else:
             tensors = msg.tensors
-        return codec.decode(msg.header, tensors)
+        if targets is None or tensors is targets:
+            return tensors  # type: ignore[return-value]
+        for target, tensor in zip(targets, tensors, strict=True):  # type: ignore[arg-type]
+            target.copy_(tensor)
+        return targets
 
     def recv_tensor_into(self, ticket: int, tensor: torch.Tensor, timeout: float) -> None:
         def handle(msg: Incoming) -> tuple[bool, Any]:
@@ -259,8 +323,8 @@ class Connection:
             return True, msg
 
         msg = self.reader.receive(ticket, timeout, handle, "recv_tensor")
-        if msg.deferred:
-            self.reader.read_deferred(msg, [tensor], timeout, "recv_tensor")
+        if msg.on_device or msg.deferred:
+            self._payload(msg, [tensor], None, timeout, "recv_tensor")
         else:
             framing.copy_inline_into(tensor, msg.inline)
 

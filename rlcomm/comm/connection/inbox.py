@@ -42,6 +42,14 @@ class Inbox:
         self._messages.append(msg)
         self.unread += msg.nbytes
 
+    def __iter__(self):
+        return iter(self._messages)
+
+    def grew(self, msg: Incoming, nbytes: int) -> None:
+        """``msg``, queued, now holds ``nbytes`` more (its offered payload was copied in)."""
+        msg.nbytes += nbytes
+        self.unread += nbytes
+
     def peek(self) -> Incoming:
         """The oldest message, left queued."""
         return self._messages[0]

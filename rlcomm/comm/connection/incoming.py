@@ -19,21 +19,32 @@ class Incoming:
     Args:
         header: the message's header.
         inline: the payload bytes that rode in its frame.
+        offer: where a one-sided transport lets the receiver read its device payload
+            (empty: none); the payload stays with the sender until a receive op, or
+            :meth:`~.reader.Reader.take_in_offers`, copies it out.
     """
 
-    __slots__ = ("deferred", "header", "inline", "nbytes", "tensors")
+    __slots__ = ("deferred", "header", "inline", "nbytes", "offer", "tensors")
 
-    def __init__(self, header: MessageHeader, inline: bytes):
+    def __init__(self, header: MessageHeader, inline: bytes, offer: bytes = b""):
         self.header = header
         self.inline = inline
+        self.offer = offer
         self.tensors: list[torch.Tensor] | None = None
         self.deferred = False
-        self.nbytes = len(inline)  # what it holds in memory while unread
+        self.nbytes = len(inline) + len(offer)  # what it holds in memory while unread
+
+    @property
+    def on_device(self) -> bool:
+        """Whether its payload is CUDA tensors."""
+        metas = self.header.tensors
+        return bool(metas) and not self.header.inline and metas[0].device == "cuda"
 
 
 def read_message(transport: Transport, peer: str, rest: float | None = None) -> Incoming:
     """Read the next message from ``transport`` (a CPU payload into fresh tensors; a
-    ``send_tensor`` or CUDA payload is left in the stream: the message is *deferred*).
+    ``send_tensor`` CPU payload, or a CUDA payload that follows in the stream, is left
+    there: the message is *deferred*; a CUDA payload offered in the frame stays offered).
     Once the frame has begun, the rest must come within ``rest`` seconds (default: the
     default op timeout).
 
@@ -54,6 +65,11 @@ def read_message(transport: Transport, peer: str, rest: float | None = None) -> 
             f"a message from {peer} declares {total} bytes, over this worker's "
             f"limit of {limit} (RLCOMM_MAX_MESSAGE_BYTES); the connection is closed"
         )
+    if msg.offer and not msg.on_device:
+        raise ProtocolMismatchError(
+            f"a message from {peer} carries a device offer but no CUDA tensors; the "
+            "connection is closed"
+        )
     if header.inline or not metas:
         if header.inline != total or len(msg.inline) != total:
             raise ProtocolMismatchError(
@@ -62,7 +78,9 @@ def read_message(transport: Transport, peer: str, rest: float | None = None) -> 
             )
         if header.kind != Kind.RAW:
             msg.tensors = framing.split_inline(header, msg.inline)
-    elif header.kind != Kind.RAW and not metas[0].device.startswith("cuda"):
+    elif msg.on_device:
+        msg.deferred = not msg.offer  # two-sided (NCCL): the payload follows in the stream
+    elif header.kind != Kind.RAW:
         payload = transport.recv_new([n for n in sizes if n], rest)
         msg.tensors = framing.tensors_from_payload(header, payload)
         msg.nbytes += total

@@ -42,7 +42,10 @@ class Listener:
         """Complete ``msg`` and hand it to ``on_message`` (the reader's holder, no lock
         held). A message that cannot be decoded is logged and dropped; a failing
         ``on_message`` is logged and the stream goes on."""
-        if msg.deferred:  # read it now: on CPU, or this thread's CUDA device
+        if msg.on_device:  # copy it out now, to this thread's CUDA device
+            msg.tensors = reader.device_payload(
+                msg, None, None, default_timeout(), "listen", transport=transport)
+        elif msg.deferred:  # read it now
             msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
             reader.read_payload(transport, msg.tensors, default_timeout())
         try:

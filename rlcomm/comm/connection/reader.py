@@ -26,21 +26,32 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from rlcomm.comm import codec
+from rlcomm.comm import codec, framing
 from rlcomm.comm.connection.inbox import Inbox
 from rlcomm.comm.connection.incoming import Incoming, read_message
 from rlcomm.comm.connection.listening import Listener
-from rlcomm.comm.transports.base import Transport, is_pollable
-from rlcomm.errors import CommError, CommTimeoutError, PeerLostError
+from rlcomm.comm.transports.base import OneSidedTransport, Transport, is_pollable
+from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the driver leaves the stream to receive ops after one of them read.
 LINGER = 0.005
+
+T = TypeVar("T")
+
+
+def _fill(targets: list[torch.Tensor] | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` copied into ``targets`` (returned then), or ``tensors`` when none."""
+    if targets is None:
+        return tensors
+    for target, tensor in zip(targets, tensors, strict=True):
+        target.copy_(tensor)
+    return targets
 
 
 class ReaderState(enum.Enum):
@@ -205,6 +216,90 @@ class Reader:
             self.fail(exc)
             raise
 
+    def _read_offer(self, transport: Transport, timeout: float) -> bytes:
+        """Read the offer that follows a deferred device message (the holder)."""
+        try:
+            return transport.recv_frame(timeout)
+        except CommError as exc:
+            self.fail(exc)
+            raise
+
+    def device_payload(
+        self, msg: Incoming, targets: list[torch.Tensor] | None, device: torch.device | None,
+        timeout: float, what: str, transport: Transport | None = None,
+    ) -> list[torch.Tensor]:
+        """The CUDA tensors of ``msg``, taken by this receive op: copied out of the
+        sender's offer (in the frame, or, for the first CUDA message of the pair, in the
+        frame that follows it), or read over NCCL. Into ``targets`` when given (returned
+        then), else new tensors on ``device`` (``None``: this thread's current device).
+        ``transport``: this thread holds the stream already (a listener's dispatch).
+
+        Raises:
+            ProtocolMismatchError: the payload does not fit, or came over the wrong path.
+            CommTimeoutError, PeerLostError: from the transports.
+        """
+        header = msg.header
+        if msg.tensors is not None:  # taken in already (take_in_offers)
+            return _fill(targets, msg.tensors)
+        if device is None or (targets and targets[0].is_cuda):
+            device = targets[0].device if targets and targets[0].is_cuda else (
+                torch.device("cuda", torch.cuda.current_device()))
+        direct = targets is not None and all(t.is_cuda and t.is_contiguous() for t in targets)
+        cuda = self._cuda_transport(device, timeout)
+        offer = msg.offer
+        if not offer:  # deferred: the payload (NCCL) or its offer follows in the stream
+            if not isinstance(cuda, OneSidedTransport):
+                buffers = targets if direct else [codec.empty_like_meta(m, device) for m in header.tensors]
+
+                def read_stream(transport: Transport) -> list[torch.Tensor]:
+                    self.read_payload(transport, buffers, timeout)  # type: ignore[arg-type]
+                    return buffers  # type: ignore[return-value]
+
+                got = read_stream(transport) if transport is not None else (
+                    self.read_deferred(msg, read_stream, timeout, what))
+                return got if direct else _fill(targets, got)
+            offer = self._read_offer(transport, timeout) if transport is not None else (
+                self.read_deferred(msg, lambda t: self._read_offer(t, timeout), timeout, what))
+        if not isinstance(cuda, OneSidedTransport):
+            raise ProtocolMismatchError(
+                f"{what} from {self.peer}: a CUDA offer came on a connection whose CUDA "
+                f"payloads go over {cuda.name}; the ends disagree"
+            )
+        sizes = [m.nbytes for m in header.tensors]
+        order = torch.cuda.current_stream(device)
+        buffers = cuda.accept(offer, sizes, targets if direct else None, device, order)
+        if direct:
+            return targets  # type: ignore[return-value]
+        return _fill(targets, framing.tensors_from_payload(header, buffers, device))
+
+    def take_in_offers(self) -> None:
+        """Copy the offered CUDA payloads of queued messages into new tensors now,
+        freeing what their sender holds for them (its staging slots, its lent tensors).
+
+        A send that waits for the peer runs this meanwhile: two workers that both send
+        CUDA payloads to each other before receiving then both go on, as on the CPU path,
+        up to the unread-bytes cap. A payload that cannot be copied now stays offered
+        (its receive op raises the reason)."""
+        with self.cond:
+            pending = [m for m in self.inbox if m.offer and m.tensors is None]
+            for msg in pending:
+                if self.inbox.full or self.error is not None:
+                    return
+                cuda = self._cuda_transport(None, 0.0)  # made: the peer offered over it
+                if not isinstance(cuda, OneSidedTransport):
+                    return
+                header = msg.header
+                try:
+                    buffers = cuda.accept(msg.offer, [m.nbytes for m in header.tensors],
+                                          None, None, None)
+                except CommError:
+                    logger.debug("taking in an offer from %s failed", self.peer, exc_info=True)
+                    return
+                device = buffers[0].device if buffers else None
+                msg.tensors = framing.tensors_from_payload(header, buffers, device)
+                msg.offer = b""
+                self.inbox.grew(msg, sum(b.numel() for b in buffers))
+
     # -- the caller's fast path ------------------------------------------------------------------
 
     def _read_as_caller(self, remaining: float, wakeable: bool = False) -> None:
@@ -331,20 +426,19 @@ class Reader:
         return result
 
     def read_deferred(
-        self, msg: Incoming, buffers: list[torch.Tensor], timeout: float, what: str
-    ) -> list[torch.Tensor]:
-        """Read the stalled payload of ``msg`` (taken by this receive op) into ``buffers``."""
+        self, msg: Incoming, read: Callable[[Transport], T], timeout: float, what: str
+    ) -> T:
+        """Read what follows ``msg`` in the stalled stream (``msg`` was taken by this
+        receive op) with ``read(transport)``, as the stream's claimant."""
         with self.cond:
             if self.state is not ReaderState.STALLED:
                 raise AssertionError(f"{what}: the stream is not stalled on this message")
             self.state = ReaderState.CLAIMANT
         try:
-            self.read_payload(self._ready(timeout), buffers, timeout)
+            return read(self._ready(timeout))
         finally:
             with self.cond:
                 self.leave(None, by_caller=True)
-        msg.tensors = buffers
-        return buffers
 
     # -- listening -------------------------------------------------------------------------------
 

@@ -11,14 +11,35 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from rlcomm.comm import framing
 from rlcomm.comm.codec import MessageHeader
-from rlcomm.comm.transports.base import Transport
-from rlcomm.errors import CommError, CommTimeoutError
+from rlcomm.comm.transports.base import OneSidedTransport, Transport
+from rlcomm.errors import CommError, CommTimeoutError, ProtocolMismatchError
+
+
+@dataclass(frozen=True)
+class DeviceOrder:
+    """Where a CUDA send stands in its caller's work.
+
+    Args:
+        after: the caller's CUDA stream, or an event recorded on it at the call: the
+            payload is read after the work queued before.
+        stream: the stream to order after the receiver's copy of a lent payload (the
+            caller's, for a blocking send).
+        host: the host waits for that copy instead (an ``async_op=True`` send, whose
+            caller may write the tensors from any stream once its work is done).
+    """
+
+    after: Any
+    stream: Any
+    host: bool
 
 
 class Sender:
@@ -30,6 +51,8 @@ class Sender:
         error: the connection's error, if it failed.
         fail: fails the connection.
         cuda_transport: the transport of CUDA payloads for a device (made on first use).
+        on_wait: run now and then while a send waits for the peer to take a CUDA payload
+            (the connection takes in the peer's own offers meanwhile).
     """
 
     def __init__(
@@ -38,7 +61,8 @@ class Sender:
         ready: Callable[[float], Transport],
         error: Callable[[], CommError | None],
         fail: Callable[[CommError], None],
-        cuda_transport: Callable[[torch.device, float], Transport],
+        cuda_transport: Callable[[torch.device | None, float], Transport | OneSidedTransport | None],
+        on_wait: Callable[[], None] | None = None,
     ):
         self.peer = peer
         self.transport: Transport | None = None  # set once the connection is attached
@@ -46,6 +70,7 @@ class Sender:
         self._error = error
         self._fail = fail
         self._cuda_transport = cuda_transport
+        self._on_wait = on_wait
         self._thread = concurrent.futures.ThreadPoolExecutor(1, f"rlcomm-send-{peer}")
         self._lock = threading.Lock()  # held while a message is being sent
         self._state = threading.Lock()  # guards _queued
@@ -57,15 +82,21 @@ class Sender:
         tensors: list[torch.Tensor],
         timeout: float,
         before: Callable[[], None] | None = None,
+        order: DeviceOrder | None = None,
     ) -> concurrent.futures.Future:
         """Queue a message on the sender thread; the future completes when it left.
-        ``before`` runs on the sender thread first (a failed check fails the send)."""
+        ``before`` runs on the sender thread first (a failed check fails the send);
+        ``order``: where a CUDA payload stands in the caller's work (see
+        :class:`DeviceOrder`)."""
         self._check_sendable()
         with self._state:
             self._queued += 1
-        return self._thread.submit(self._send_queued, header, tensors, timeout, before)
+        return self._thread.submit(self._send_queued, header, tensors, timeout, before, order)
 
-    def send_inline(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
+    def send_inline(
+        self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float,
+        order: DeviceOrder | None = None,
+    ) -> None:
         """Send a message from the calling thread, after any queued sends."""
         self._check_sendable()
         with self._state:
@@ -75,10 +106,10 @@ class Sender:
             else:  # nothing queued: send here, holding the send lock
                 self._lock.acquire()
         if behind_queue:  # keep call order: go through the sender thread too
-            self._thread.submit(self._send_queued, header, tensors, timeout, None).result()
+            self._thread.submit(self._send_queued, header, tensors, timeout, None, order).result()
             return
         try:
-            self._send_now(header, tensors, timeout)
+            self._send_now(header, tensors, timeout, order)
         finally:
             self._lock.release()
 
@@ -96,41 +127,109 @@ class Sender:
         tensors: list[torch.Tensor],
         timeout: float,
         before: Callable[[], None] | None,
+        order: DeviceOrder | None = None,
     ) -> None:
         try:
             if before is not None:
                 before()
             with self._lock:
-                self._send_now(header, tensors, timeout)
+                self._send_now(header, tensors, timeout, order)
         finally:
             with self._state:
                 self._queued -= 1
 
-    def _send_now(self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float) -> None:
+    def _send_now(
+        self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float,
+        order: DeviceOrder | None = None,
+    ) -> None:
         transport = self.transport
         if transport is None or self._error() is not None:
             transport = self._ready(timeout)
         frame, payload = framing.pack(header, tensors)
         on_cuda = bool(tensors) and tensors[0].is_cuda
+        if on_cuda:
+            self._send_device(transport, frame, payload, timeout, order)
+            return
         try:
-            if on_cuda:
-                transport.send_frame(frame, [], timeout)
-                self._cuda_transport(tensors[0].device, timeout).send(payload, timeout)
-            else:
-                transport.send_frame(frame, payload, timeout)
+            transport.send_frame(frame, payload, timeout)
         except CommTimeoutError as exc:
-            if not transport.broken and not on_cuda:
-                raise CommTimeoutError(
-                    f"send to {self.peer}: the peer did not take the message within "
-                    f"{timeout}s (it is not receiving, and holds as much unread data as it "
-                    "may); nothing of it was sent and the connection stays usable"
-                ) from exc
-            error = CommTimeoutError(
-                f"send to {self.peer} timed out part-way through a message ({exc}); the "
-                "connection is closed and the next op makes a new one"
-            )
-            self._fail(error)
-            raise error from exc
+            if not transport.broken:
+                raise self._not_taken(timeout) from exc
+            self._part_way(exc)
         except CommError as exc:
             self._fail(exc)
             raise
+
+    def _not_taken(self, timeout: float, why: str = "") -> CommTimeoutError:
+        return CommTimeoutError(
+            f"send to {self.peer}: the peer did not take the message within {timeout}s "
+            f"({why or 'it is not receiving, and holds as much unread data as it may'}); "
+            "nothing of it was sent and the connection stays usable"
+        )
+
+    def _part_way(self, exc: CommError) -> None:
+        if isinstance(exc, CommTimeoutError):
+            error: CommError = CommTimeoutError(
+                f"send to {self.peer} timed out part-way through a message ({exc}); the "
+                "connection is closed and the next op makes a new one"
+            )
+        else:
+            error = exc
+        self._fail(error)
+        raise error from exc
+
+    def _send_device(
+        self, transport: Transport, frame: bytes, payload: list[torch.Tensor], timeout: float,
+        order: DeviceOrder | None,
+    ) -> None:
+        """A CUDA payload: offered in the frame over a one-sided transport (CUDA IPC),
+        else sent after the frame (NCCL). The pair's first CUDA message goes before its
+        CUDA transport exists: its frame first (the peer's receive op, reaching it, makes
+        its end), then the offer in a frame of its own, or the payload."""
+        device = payload[0].device
+        if order is None:
+            stream = torch.cuda.current_stream(device)
+            order = DeviceOrder(stream, stream, False)
+        cuda = self._cuda_transport(None, timeout)
+        if isinstance(cuda, OneSidedTransport):
+            self._send_offered(transport, cuda, frame, payload, timeout, order, False)
+            return
+        try:
+            transport.send_frame(frame, [], timeout)
+            cuda = self._cuda_transport(device, timeout)
+            if not isinstance(cuda, OneSidedTransport):
+                cuda.send(payload, timeout)  # type: ignore[union-attr]
+                return
+        except CommError as exc:
+            self._part_way(exc)
+        self._send_offered(transport, cuda, b"", payload, timeout, order, True)
+
+    def _send_offered(
+        self, transport: Transport, cuda: OneSidedTransport, frame: bytes,
+        payload: list[torch.Tensor], timeout: float, order: DeviceOrder, behind: bool,
+    ) -> None:
+        """Offer ``payload`` and send the offer in ``frame`` (``behind``: in a frame of
+        its own, behind the message's frame that left already)."""
+        deadline = time.monotonic() + timeout
+        try:
+            out = cuda.offer(payload, order.after, deadline, self._on_wait)
+        except CommTimeoutError as exc:
+            if behind:
+                self._part_way(exc)
+            raise self._not_taken(timeout, str(exc)) from exc
+        except CommError as exc:
+            self._fail(exc)
+            raise
+        try:
+            transport.send_frame(frame + out.offer, [], max(0.001, deadline - time.monotonic()))
+        except CommError as exc:
+            cuda.withdraw(out)
+            if isinstance(exc, CommTimeoutError) and not transport.broken and not behind:
+                raise self._not_taken(timeout) from exc
+            self._part_way(exc)
+        try:
+            cuda.complete(out, order.stream, deadline, self._on_wait, order.host)
+        except ProtocolMismatchError:
+            raise  # refused by the receiver, which said so: the stream is in step
+        except CommError as exc:
+            self._part_way(exc)

@@ -15,7 +15,7 @@ import datetime
 import struct
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -231,6 +231,100 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the connection's resources; later calls fail."""
+
+
+class Outgoing(Protocol):
+    """What :meth:`OneSidedTransport.offer` gives for one message: ``offer``, the bytes
+    that ride in the message's frame."""
+
+    offer: bytes
+
+
+class OneSidedTransport(ABC):
+    """A transport whose payload never enters the pair's stream (CUDA IPC).
+
+    The sender *offers* a payload: :meth:`offer` makes it readable by the peer and
+    returns a short description (``Outgoing.offer``) that the connection carries in the
+    message's frame over the pair's CPU transport. The receiver, holding that frame,
+    copies the payload out with :meth:`accept` and acknowledges it to the sender over
+    the transport's own link. Whether a send waits for that acknowledgement is the
+    transport's choice (:meth:`complete`): a payload copied into the transport's own
+    buffer need not wait, one read straight from the sender's tensors must.
+
+    ``order`` arguments are the caller's CUDA stream: a send's payload is read after the
+    work queued on it before the call, and a receive's tensors may be used on it as soon
+    as :meth:`accept` returns.
+    """
+
+    name: str = "?"
+    one_sided = True
+    close_on_teardown = True
+
+    @abstractmethod
+    def offer(
+        self, tensors: Sequence[torch.Tensor], order: object, deadline: float | None,
+        on_wait: Callable[[], None] | None = None, lend: bool = False,
+    ) -> Outgoing:
+        """Make ``tensors`` readable by the peer; returns the message's offer.
+
+        Waits (until ``deadline``, monotonic seconds) only when the transport's buffers
+        are all in use, running ``on_wait`` now and then meanwhile. ``lend``: let the
+        peer read the tensors themselves whatever their size (no copy here).
+
+        Raises:
+            CommTimeoutError: no buffer came free in time (nothing was offered).
+            PeerLostError: the peer is gone.
+        """
+
+    @abstractmethod
+    def withdraw(self, outgoing: Outgoing) -> None:
+        """Take back the last offer, whose frame could not be sent."""
+
+    @abstractmethod
+    def complete(
+        self, outgoing: Outgoing, order: object, deadline: float | None,
+        on_wait: Callable[[], None] | None = None, host: bool = False,
+    ) -> None:
+        """Return once the sender may write the offered tensors again: at once for a
+        payload the transport copied, after the receiver's copy for one it reads from
+        the tensors themselves (``order`` is then ordered after that copy; ``host``:
+        the host waits for it to finish instead).
+
+        Raises:
+            CommTimeoutError: the receiver did not take it by ``deadline``.
+            ProtocolMismatchError: the receiver refused it.
+            PeerLostError: the peer is gone.
+        """
+
+    @abstractmethod
+    def accept(
+        self, offer: bytes, sizes: Sequence[int], into: Sequence[torch.Tensor] | None,
+        device: torch.device | None, order: object,
+    ) -> list[torch.Tensor]:
+        """Copy the payload of the received ``offer`` (tensors of ``sizes`` bytes) into
+        ``into`` (contiguous tensors of those sizes), or into new uint8 tensors on
+        ``device`` (``None``: the GPU the payload lies on); returns the uint8 buffers.
+
+        Raises:
+            ProtocolMismatchError: the offer does not match ``sizes``, or is out of order.
+            CommError: the sender's memory could not be read (the sender is told).
+        """
+
+    @abstractmethod
+    def refuse(self, offer: bytes, reason: str) -> None:
+        """Turn a received ``offer`` down, telling the sender ``reason``."""
+
+    def peer_gone(self) -> bool:
+        return False
+
+    @property
+    def usable(self) -> bool:
+        """Whether it may carry another message (not closed, not out of step)."""
+        return True
+
+    @abstractmethod
+    def close(self, lost: bool = False) -> None:
+        """Release everything; ``lost``: the peer is gone, so also what it held."""
 
 
 @runtime_checkable

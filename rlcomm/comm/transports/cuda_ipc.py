@@ -1,239 +1,817 @@
 """CUDA IPC transport: CUDA payloads between two processes that share one GPU.
 
 NCCL refuses two ranks on one GPU, which is what Ray actors with fractional ``num_gpus``
-are. Between two processes of one node on one physical GPU, the connection moves its
-CUDA payloads through CUDA IPC instead, and its frames over shared memory as usual.
+are. Between two processes of one node on one physical GPU, a connection moves its CUDA
+payloads through CUDA IPC, one-sided (:class:`~.base.OneSidedTransport`): the payload's
+bytes never enter the pair's stream, and no store is on a message's path.
 
-One direction of the protocol, over the connection's rendezvous store (its keys named
-after the sending rank and a per-message sequence number):
+Set up once per pair, at its first CUDA payload: each end makes two streams of its own
+(one its sends' copies run on, one its receives' copies run on), two interprocess events
+(*ready*, recorded after a send's copies; *done*, after a receive's copies), and one
+``SOCK_SEQPACKET`` *link* to the peer (an abstract socket named in the rendezvous store,
+both ends' processes checked with ``SO_PEERCRED``), over which the ends swap their
+events' handles. After that, one message:
 
-1. the sender copies the payload into its *staging buffer* (one per transport, kept and
-   reused, grown when too small), records an interprocess CUDA event after the copies
-   and sets ``<rank>/offer/<seq>`` to an :class:`Offer`: the staging memory's IPC handle,
-   the event's handle, the GPU's UUID, and each tensor's offset and size;
-2. the receiver waits for that key, opens the staging memory (once per staging buffer:
-   opening is slow), makes its stream wait on the event, copies into its tensors,
-   synchronizes and sets ``<rank>/ack/<seq>`` (empty, or why it refused the payload);
-3. the sender's ``send`` returns once the ack is there: the staging buffer is free again.
+1. The sender orders its send stream after the caller's stream and *offers* the
+   payload, in one of two ways:
+
+   - *staged*: a payload of at most :func:`slot_bytes` is copied, in one batched copy,
+     into a free *slot* of the sender's staging area (:class:`Staging`: fixed slots in
+     one allocation, shared once). The send returns at once; the slot is reused after
+     the receiver's ack, its next copy ordered after the receiver's *done* event.
+   - *lent*: a larger payload is not copied: the receiver reads the sender's own
+     tensors (each allocation shared once per pair and cached). The send returns once the
+     receiver has acked, with the caller's stream ordered after the receiver's copy.
+
+   It records *ready* and returns an :class:`Offer` (the memory's handles, each tensor's
+   place) that the connection carries in the message's frame.
+2. The receiver, holding the frame, opens the memory (once per allocation; an opened
+   allocation is kept while the sender's messages use it), makes its receive stream
+   wait on *ready*, copies into the caller's tensors or new ones (a staged payload in
+   one copy), records *done*, orders the caller's stream after it and sends the ack: the
+   message's sequence number, and why it refused it if it did.
+
+One event per end and role is enough because each is always recorded on the same
+stream: waiting on a later record of it also waits for every earlier one.
+
+Lifetimes: the staging area is released after :func:`idle_release` seconds without a
+message, and the receiver closes what it opened after as long. When the peer is lost,
+everything this end shared with it is released on its behalf (see
+:mod:`.cuda_device`), so nothing stays pinned for a dead process.
 
 GPUs are named by UUID, never by index: ``CUDA_VISIBLE_DEVICES`` differs between Ray
-actors, so one GPU may be ``cuda:0`` here and ``cuda:1`` there. Which CUDA transport a
-connection uses is decided once, at its first CUDA payload: both ends swap their GPU's
-UUID (:func:`~rlcomm.comm.transports.gpus.exchange_gpu_uuids`) and the transport registry
-picks CUDA IPC when they are equal (one GPU, so one node), else NCCL. Memory is shared with
-torch's own machinery (``UntypedStorage._share_cuda_`` / ``_new_shared_cuda``, as
-``torch.multiprocessing`` does), so the sender's staging memory outlives a staging
-buffer it drops until the receiver has closed it.
+actors. Which CUDA transport a connection uses is decided once, at its first CUDA
+payload: both ends swap their GPU's UUID (:func:`~.gpus.exchange_gpu_uuids`) and the
+registry picks CUDA IPC when they are equal, else NCCL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import errno
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports import registry
-from rlcomm.comm.transports.base import Transport, map_error
-from rlcomm.comm.transports.cuda_ipc_board import Offer, OfferBoard, byte_views, payload_layout
-from rlcomm.comm.transports.gpus import gpu_uuid, local_gpus
-from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
+from rlcomm.comm.transports.base import OneSidedTransport, map_error
+from rlcomm.comm.transports.cuda_device import CUDA, DeviceOps, Share
+from rlcomm.comm.transports.shm_signals import credentials_ok, seqpacket
+from rlcomm.errors import (
+    AuthenticationError,
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolMismatchError,
+)
+from rlcomm.settings import get_settings
 
-#: Staging buffers are sized in multiples of this many bytes.
-_STAGING_GRANULE = 2 << 20
-#: Opened event handles a receiver keeps (one per sending device, in practice).
-_MAX_EVENTS = 8
+logger = logging.getLogger(__name__)
+
+#: Each tensor of a payload starts at a multiple of this many bytes.
+ALIGN = 256
+#: An ack: the message's sequence number and whether it was refused; the reason follows.
+_ACK = struct.Struct("<QB")
+_OK, _REFUSED = 0, 1
+#: How often a send waiting for an ack runs its ``on_wait`` (seconds).
+_WAIT_SLICE = 0.002
 
 
-# -- the transport ---------------------------------------------------------------------------
+def slot_bytes() -> int:
+    """Payloads up to this many bytes are staged, larger ones lent (``cuda_slot_bytes``)."""
+    return get_settings().cuda_slot_bytes
 
 
-class CudaIpcTransport(Transport):
-    """CUDA payloads to a process of this node on the same physical GPU, through CUDA IPC
-    (see the module docstring for the protocol).
+def idle_release() -> float:
+    """Seconds without a message after which staging and opened memory are released."""
+    return get_settings().cuda_idle_release
+
+
+class Offer(msgspec.Struct, array_like=True, frozen=True):
+    """What a sender publishes for one message: where its payload lies.
+
+    Attributes:
+        seq: the message's number in this direction (from 0, no gaps).
+        gpu: the UUID of the GPU the memory lies on.
+        shares: the allocations the payload lies in.
+        pieces: per non-empty tensor, ``(share index, byte offset in that storage,
+            bytes)``.
+        staged: the pieces lie in one staging slot, in order (one copy takes them all).
+    """
+
+    seq: int
+    gpu: str
+    shares: list[Share]
+    pieces: list[tuple[int, int, int]]
+    staged: bool = False
+
+
+class Hello(msgspec.Struct, array_like=True, frozen=True):
+    """What the ends swap over the link when it is made: their events' handles."""
+
+    gpu: str
+    ready: bytes
+    done: bytes
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_offer = msgspec.msgpack.Decoder(Offer).decode
+_decode_hello = msgspec.msgpack.Decoder(Hello).decode
+
+
+def decode_offer(data: bytes, peer: str) -> Offer:
+    """Parse the offer bytes of a received frame.
+
+    Raises:
+        ProtocolMismatchError: they are not an offer.
+    """
+    try:
+        return _decode_offer(data)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise ProtocolMismatchError(
+            f"a CUDA message from {peer} carries a malformed offer ({exc}); the connection "
+            "is closed"
+        ) from exc
+
+
+# -- pure helpers ----------------------------------------------------------------------------
+
+
+def payload_layout(sizes: Sequence[int], align: int = ALIGN) -> tuple[list[int], int]:
+    """Where each of ``sizes`` bytes lies in one buffer: the offsets (each a multiple of
+    ``align``) and the total bytes the buffer needs."""
+    offsets, end = [], 0
+    for n in sizes:
+        if n < 0:
+            raise ValueError(f"payload sizes must be >= 0, got {list(sizes)}")
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+def byte_views(tensors: Sequence[torch.Tensor], what: str, ops: DeviceOps = CUDA) -> list[torch.Tensor]:
+    """Flat uint8 views of contiguous device tensors (writing to a view writes the tensor).
+
+    Raises:
+        ValueError: a tensor is not contiguous, or not in device memory.
+    """
+    views = []
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{what}: tensor {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
+                "contiguous; call .contiguous() first"
+            )
+        if not ops.is_device(t):
+            raise ValueError(
+                f"{what}: tensor {i} is on {t.device}; the cuda_ipc transport moves CUDA "
+                "tensors only"
+            )
+        views.append(t.detach().reshape(-1).view(torch.uint8))
+    return views
+
+
+def check_pieces(offer: Offer, sizes: Sequence[int]) -> str:
+    """Why ``offer`` cannot fill tensors of ``sizes`` bytes ("" when it can)."""
+    want = [n for n in sizes if n]
+    got = [n for _, _, n in offer.pieces]
+    if got != want:
+        return f"it holds tensors of {got} bytes but the receiver's buffers are {want} bytes"
+    for index, offset, n in offer.pieces:
+        if not 0 <= index < len(offer.shares):
+            return f"a piece names allocation {index} of {len(offer.shares)}"
+        if offset < 0 or offset + n > offer.shares[index].nbytes:
+            return (f"a piece of {n} bytes at {offset} lies outside its allocation of "
+                    f"{offer.shares[index].nbytes} bytes")
+    return ""
+
+
+# -- the link ----------------------------------------------------------------------------------
+
+
+def connect_link(
+    store: dist.Store, rank: int, hello: bytes, deadline: float, peer: str,
+    peer_pid: int | None,
+) -> tuple[socket.socket, bytes]:
+    """The pair's link (rank 0 listens on an abstract socket it names in ``store``),
+    and the peer's hello. Connections from any process but ``peer_pid`` of this user
+    are refused.
+
+    Raises:
+        CommTimeoutError: the peer did not come by ``deadline``.
+        AuthenticationError: the socket is not the peer's.
+    """
+    try:
+        if rank == 0:
+            server = seqpacket()
+            name = f"\0rlcomm-ipc-{uuid.uuid4().hex}"
+            server.bind(name)
+            server.listen(2)
+            store.set("ipc/addr", name.encode())
+            try:
+                while True:
+                    server.settimeout(max(0.01, deadline - time.monotonic()))
+                    sock, _ = server.accept()
+                    if credentials_ok(sock, peer_pid):
+                        break
+                    logger.warning("cuda_ipc set-up for %s: a connection from another "
+                                   "process was refused", peer)
+                    sock.close()
+            finally:
+                server.close()
+        else:
+            store.wait(["ipc/addr"])
+            name = store.get("ipc/addr").decode()
+            if not name.startswith("\0rlcomm-ipc-"):
+                raise AuthenticationError(f"cuda_ipc set-up with {peer}: unexpected socket name {name!r}")
+            sock = seqpacket()
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            sock.connect(name)
+            if not credentials_ok(sock, peer_pid):
+                sock.close()
+                raise AuthenticationError(
+                    f"cuda_ipc set-up with {peer}: the socket belongs to another process"
+                )
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        sock.send(hello)
+        theirs = sock.recv(4096)
+        sock.settimeout(None)
+    except (TimeoutError, OSError, RuntimeError) as exc:
+        raise CommTimeoutError(f"cuda_ipc set-up with {peer} failed: {exc}") from exc
+    if not theirs:
+        sock.close()
+        raise PeerLostError(f"cuda_ipc set-up with {peer}: the peer closed the link")
+    return sock, theirs
+
+
+# -- the sender's side -------------------------------------------------------------------------
+
+
+class Staging:
+    """The sender's staging area: ``count`` fixed slots of ``size`` bytes in one
+    allocation on ``device``, shared once; made on first use, released when idle."""
+
+    def __init__(self, ops: DeviceOps, device: torch.device, size: int, count: int):
+        self.size, self.count = size, count
+        self.memory = ops.empty(size * count, device)
+        self.share = ops.share(self.memory)
+        self.free = list(range(count))
+
+    @property
+    def idle(self) -> bool:
+        return len(self.free) == self.count
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self.memory[index * self.size : (index + 1) * self.size]
+
+
+@dataclass
+class Sent:
+    """One offered message (:class:`~.base.Outgoing`)."""
+
+    seq: int
+    offer: bytes
+    lent: bool
+    slot: int | None = None
+    nbytes: int = 0
+
+
+class _LentShare:
+    """One of the sender's allocations shared with the peer, while it lives."""
+
+    __slots__ = ("ref", "share")
+
+    def __init__(self, ref: Any, share: Share):
+        self.ref, self.share = ref, share
+
+
+# -- the transport -----------------------------------------------------------------------------
+
+
+class CudaIpcTransport(OneSidedTransport):
+    """CUDA payloads to a process of this node on the same physical GPU (see the module
+    docstring for the protocol).
 
     Args:
-        store: the rendezvous store (a prefix private to this connection); the
-            transport makes two clients of its own with ``store.clone()``.
+        store: the rendezvous store (a prefix private to this connection's transport).
         rank: 0 or 1.
         peer: how error messages name the other end.
+        device: this end's CUDA device (the GPU both ends share).
+        timeout: seconds the set-up may take.
+        peer_pid: the peer's process id (the link accepts no other process).
+        ops: the device layer (a fake in the protocol's CPU tests).
     """
 
     name = "cuda_ipc"
 
-    def __init__(self, store: dist.Store, rank: int, peer: str):
+    def __init__(
+        self, store: dist.Store, rank: int, peer: str, device: torch.device,
+        timeout: float = 60.0, peer_pid: int | None = None, ops: DeviceOps = CUDA,
+    ):
         if rank not in (0, 1):
             raise ValueError(f"cuda_ipc: rank must be 0 or 1, got {rank}")
         self._peer = peer
+        self._ops = ops
+        self._device = device
+        self._gpu = ops.gpu_uuid(device)
+        self._send_stream = ops.new_stream(device)
+        self._recv_stream = ops.new_stream(device)
+        self._ready, ready_handle = ops.new_ipc_event(device)
+        self._done, done_handle = ops.new_ipc_event(device)
+        deadline = time.monotonic() + timeout
+        hello = _encode(Hello(self._gpu, ready_handle, done_handle))
+        self._sock, theirs = connect_link(store, rank, hello, deadline, peer, peer_pid)
         try:
-            self._outgoing = OfferBoard(store.clone(), rank, peer)
-            self._incoming = OfferBoard(store.clone(), 1 - rank, peer)
-        except RuntimeError as exc:
-            raise map_error(exc, "cuda_ipc set-up", peer) from exc
-        self._failed: CommError | None = None  # a send or receive that broke the protocol
+            peer_hello = _decode_hello(theirs)
+            self._peer_ready = ops.open_ipc_event(peer_hello.ready, device)
+            self._peer_done = ops.open_ipc_event(peer_hello.done, device)
+        except (msgspec.DecodeError, ValueError, RuntimeError) as exc:
+            self._sock.close()
+            raise ProtocolMismatchError(f"cuda_ipc set-up with {peer}: a bad hello ({exc})") from exc
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
+        self._failed: CommError | None = None
         self._closed = False
-        # Sending side (the sending thread only).
-        self._sent = 0
-        self._staging: torch.Tensor | None = None
-        self._share: tuple | None = None  # _share_cuda_() of the staging buffer
-        self._events: dict[torch.device, tuple[torch.cuda.Event, bytes]] = {}
-        # Receiving side (the receiving thread only).
-        self._received = 0
-        self._opened: tuple[tuple, torch.Tensor] | None = None  # (key, the peer's staging)
-        self._peer_events: dict[bytes, torch.cuda.Event] = {}
+        # The sending side (under _send_lock).
+        self._send_lock = threading.Lock()
+        self._next_seq = 0
+        self._acked = 0  # acks come in order: every seq below this one is acked
+        self._in_flight: dict[int, Sent] = {}
+        self._refused: dict[int, str] = {}
+        self._staging: Staging | None = None
+        self._slot_bytes = slot_bytes()
+        self._slot_count = get_settings().cuda_staging_slots
+        self._lent: dict[tuple[int, int], _LentShare] = {}
+        self._shared: list[Share] = []  # everything this end shared with the peer
+        self._last_send = time.monotonic()
+        # The receiving side (under _recv_lock).
+        self._recv_lock = threading.Lock()
+        self._expected = 0
+        self._opened: dict[tuple, list] = {}  # key -> [memory, last seq, staged]
+        self._last_recv = time.monotonic()
+        _IDLE.add(self)
+
+    def __repr__(self) -> str:
+        return (f"CudaIpcTransport(peer={self._peer!r}, sent={self._next_seq}, "
+                f"acked={self._acked}, received={self._expected}, "
+                f"staging={'none' if self._staging is None else self._staging.size * self._staging.count})")
+
+    # -- state ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters and held memory, for tests and status: messages sent and acked,
+        received, bytes of staging this end holds, allocations it has open and lent
+        (acks that came are taken in first)."""
+        if not self._closed and self._failed is None and self._send_lock.acquire(blocking=False):
+            try:
+                self._reap()
+            except CommError:
+                pass  # recorded in _failed; the next op raises it
+            finally:
+                self._send_lock.release()
+        staging = self._staging
+        return {
+            "sent": self._next_seq, "acked": self._acked, "in_flight": len(self._in_flight),
+            "received": self._expected,
+            "staging_bytes": 0 if staging is None else staging.size * staging.count,
+            "opened": len(self._opened), "lent": len(self._lent), "shared": len(self._shared),
+        }
 
     def _check_usable(self, what: str) -> None:
         if self._closed:
             raise PeerLostError(f"{what} with {self._peer}: the connection was closed")
         if self._failed is not None:
             raise PeerLostError(
-                f"{what} with {self._peer}: an earlier CUDA IPC transfer failed "
-                f"({self._failed}); the connection's CUDA path is out of step"
+                f"{what} with {self._peer}: the connection's CUDA IPC path failed earlier "
+                f"({self._failed})"
             )
 
-    # -- sending ------------------------------------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return not self._closed and self._failed is None
 
-    def _staging_for(self, device: torch.device, total: int) -> tuple[torch.Tensor, tuple]:
-        staging = self._staging
-        if staging is None or staging.device != device or staging.numel() < total:
-            grown = 2 * staging.numel() if staging is not None and staging.device == device else 0
-            size = -(-max(total, grown) // _STAGING_GRANULE) * _STAGING_GRANULE
-            self._staging = self._share = None  # the old buffer lives on until the peer closes it
-            staging = torch.empty(size, dtype=torch.uint8, device=device)
-            self._share = staging.untyped_storage()._share_cuda_()
-            self._staging = staging
-        return staging, self._share  # type: ignore[return-value]
+    def peer_gone(self) -> bool:
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
-    def _event_for(self, device: torch.device) -> tuple[torch.cuda.Event, bytes]:
-        if device not in self._events:
-            with torch.cuda.device(device):
-                event = torch.cuda.Event(interprocess=True)
-                self._events[device] = (event, event.ipc_handle())
-        return self._events[device]
+    # -- acks ---------------------------------------------------------------------------------
 
-    def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
-        self._check_usable("cuda_ipc send")
-        views = byte_views(tensors, f"cuda_ipc send to {self._peer}")
-        sizes = [v.numel() for v in views]
-        if not any(sizes):
-            return  # the receiver skips an empty payload alike
+    def _reap(self) -> None:
+        """Take in every ack that has come (the send lock held)."""
+        while True:
+            try:
+                data = self._sock.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    return
+                self._lose(f"the link broke ({exc})")
+            if not data:
+                self._lose("its process is gone")
+            try:
+                seq, status = _ACK.unpack_from(data)
+            except struct.error:
+                self._fail(ProtocolMismatchError(
+                    f"cuda_ipc with {self._peer}: a malformed ack; the CUDA path is closed"))
+            if seq != self._acked or seq not in self._in_flight:
+                self._fail(ProtocolMismatchError(
+                    f"cuda_ipc with {self._peer}: an ack of message {seq} where {self._acked} "
+                    "was due; the CUDA path is closed"))
+            self._acked += 1
+            sent = self._in_flight.pop(seq)
+            if sent.slot is not None and self._staging is not None:
+                self._staging.free.append(sent.slot)
+            if status == _REFUSED:
+                reason = data[_ACK.size:].decode(errors="replace")
+                if sent.lent:
+                    self._refused[seq] = reason
+                else:
+                    logger.warning("cuda_ipc: %s refused message %d: %s", self._peer, seq, reason)
+
+    def _lose(self, why: str) -> None:
+        error = PeerLostError(f"cuda_ipc with {self._peer}: {why}")
+        self._failed = error
+        raise error
+
+    def _fail(self, error: CommError) -> None:
+        self._failed = error
+        raise error
+
+    def _wait_for_acks(
+        self, until: Callable[[], bool], deadline: float | None,
+        on_wait: Callable[[], None] | None, what: str,
+    ) -> None:
+        """Take in acks until ``until()`` (the send lock held), running ``on_wait`` every
+        :data:`_WAIT_SLICE` s meanwhile."""
+        self._reap()
+        while not until():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise CommTimeoutError(f"{what} with {self._peer} timed out")
+            wait = _WAIT_SLICE if on_wait is not None else remaining
+            if wait is not None and remaining is not None:
+                wait = min(wait, remaining)
+            self._poller.poll(None if wait is None else wait * 1000)
+            if self._closed:
+                raise PeerLostError(f"{what} with {self._peer}: the connection was closed")
+            self._reap()
+            if on_wait is not None and not until():
+                on_wait()
+
+    # -- sending --------------------------------------------------------------------------------
+
+    def _share_of(self, view: torch.Tensor) -> Share:
+        """The share of the allocation ``view`` lies in (made once per live storage)."""
+        ops = self._ops
+        key = ops.storage_key(view)
+        lent = self._lent.get(key)
+        if lent is not None and not ops.expired(lent.ref):
+            return lent.share
+        if lent is not None:
+            ops.free_weak_ref(lent.ref)
+        if len(self._lent) >= 4096:
+            self._forget_expired()
+        share = ops.share(view)
+        self._lent[key] = _LentShare(ops.weak_ref(view), share)
+        self._shared.append(share)
+        return share
+
+    def _forget_expired(self) -> None:
+        ops = self._ops
+        for key, lent in list(self._lent.items()):
+            if ops.expired(lent.ref):
+                ops.free_weak_ref(lent.ref)
+                del self._lent[key]
+        live = {(s.ref_counter, s.ref_counter_offset) for s in (x.share for x in self._lent.values())}
+        if self._staging is not None:
+            live.add((self._staging.share.ref_counter, self._staging.share.ref_counter_offset))
+        self._shared = [s for s in self._shared if (s.ref_counter, s.ref_counter_offset) in live]
+
+    def offer(
+        self, tensors: Sequence[torch.Tensor], order: object, deadline: float | None,
+        on_wait: Callable[[], None] | None = None, lend: bool = False,
+    ) -> Sent:
+        ops = self._ops
+        views = byte_views(tensors, f"cuda_ipc send to {self._peer}", ops)
+        for v in views:
+            if v.device != self._device:
+                raise ValueError(
+                    f"cuda_ipc send to {self._peer}: tensor on {v.device}, but this "
+                    f"connection's CUDA payloads go from {self._device}; send from one "
+                    "device per peer"
+                )
+        pieces = [v for v in views if v.numel()]
+        sizes = [v.numel() for v in pieces]
         offsets, total = payload_layout(sizes)
-        device = views[0].device
-        staging, share = self._staging_for(device, total)
-        event, event_handle = self._event_for(device)
-        with torch.cuda.device(device):
-            for view, start, n in zip(views, offsets, sizes, strict=True):
-                if n:
-                    staging[start : start + n].copy_(view, non_blocking=True)
-            event.record(torch.cuda.current_stream())
-        _, handle, nbytes, offset, counter, counter_offset, share_event, sync = share
-        offer = Offer(
-            gpu=gpu_uuid(device), mem_handle=handle, storage_bytes=nbytes, storage_offset=offset,
-            ref_counter=counter, ref_counter_offset=counter_offset, share_event=share_event,
-            share_event_sync=sync, event=event_handle, offsets=offsets, sizes=sizes,
-        )
-        seq = self._sent
-        self._sent += 1
+        with self._send_lock:
+            self._check_usable("cuda_ipc send")
+            if not pieces:  # nothing to read: no message number, no ack
+                return Sent(-1, _encode(Offer(-1, self._gpu, [], [])), False)
+            ops.wait_stream(self._send_stream, order)
+            slot = None
+            if not lend and total <= self._slot_bytes and self._slot_count:
+                slot = self._take_slot(deadline, on_wait)
+                area = self._staging.slot(slot)  # type: ignore[union-attr]
+                # The receiver's copy out of this slot's last message is done first.
+                ops.wait_event(self._send_stream, self._peer_done)
+                ops.copy([area[o : o + n] for o, n in zip(offsets, sizes)], pieces,
+                         self._send_stream)
+                base = slot * self._slot_bytes
+                shares = [self._staging.share]  # type: ignore[union-attr]
+                spots = [(0, base + o, n) for o, n in zip(offsets, sizes)]
+            else:
+                shares, spots, index = [], [], {}
+                for v in pieces:
+                    share = self._share_of(v)
+                    at = index.setdefault((share.ref_counter, share.ref_counter_offset), len(shares))
+                    if at == len(shares):
+                        shares.append(share)
+                    spots.append((at, ops.storage_offset(v), v.numel()))
+            ops.record(self._ready, self._send_stream)
+            seq = self._next_seq
+            self._next_seq += 1
+            sent = Sent(seq, _encode(Offer(seq, self._gpu, shares, spots, slot is not None)),
+                        slot is None, slot, total)
+            self._in_flight[seq] = sent
+            self._last_send = time.monotonic()
+            return sent
+
+    def _take_slot(self, deadline: float | None, on_wait: Callable[[], None] | None) -> int:
+        if self._staging is None:
+            self._staging = Staging(self._ops, self._device, self._slot_bytes, self._slot_count)
+            self._shared.append(self._staging.share)
+        staging = self._staging
+        if not staging.free:
+            self._wait_for_acks(
+                lambda: bool(staging.free), deadline, on_wait,
+                f"cuda_ipc send (all {staging.count} staging slots are waiting for the "
+                "peer to receive their messages)",
+            )
+        return staging.free.pop()
+
+    def withdraw(self, outgoing: Sent) -> None:  # type: ignore[override]
+        if outgoing.seq < 0:
+            return
+        with self._send_lock:
+            if outgoing.seq == self._next_seq - 1 and self._in_flight.pop(outgoing.seq, None):
+                self._next_seq -= 1
+                if outgoing.slot is not None and self._staging is not None:
+                    self._staging.free.append(outgoing.slot)
+
+    def complete(
+        self, outgoing: Sent, order: object, deadline: float | None,  # type: ignore[override]
+        on_wait: Callable[[], None] | None = None, host: bool = False,
+    ) -> None:
+        if not outgoing.lent or outgoing.seq < 0:
+            return
+        seq = outgoing.seq
+        what = f"cuda_ipc send of message {seq} ({outgoing.nbytes} bytes, lent)"
+        with self._send_lock:
+            try:
+                self._wait_for_acks(lambda: self._acked > seq, deadline, on_wait, what)
+            except CommTimeoutError as exc:
+                # The receiver may still read the tensors later: this path is out of step.
+                self._failed = exc
+                raise CommTimeoutError(
+                    f"{what}: {self._peer} did not take it in time. A send of more than "
+                    f"{self._slot_bytes} bytes to a worker on the same GPU returns once the "
+                    "receiver has copied it; a receiver that is itself blocked sending "
+                    "cannot; use async_op=True on one side"
+                ) from exc
+            refusal = self._refused.pop(seq, None)
+        if refusal is not None:
+            raise ProtocolMismatchError(f"{what} to {self._peer}: the receiver refused it: {refusal}")
+        if host:
+            self._ops.synchronize(self._peer_done)
+        else:
+            self._ops.wait_event(order, self._peer_done)
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    def _open(self, share: Share, device: torch.device, seq: int, staged: bool) -> torch.Tensor:
+        # The counter is part of the key: a storage shared anew (the old one was freed)
+        # is opened anew, so that each sharing's counter is taken down by its own close.
+        key = (share.handle, share.offset, share.nbytes, share.ref_counter, share.ref_counter_offset)
+        entry = self._opened.get(key)
+        if entry is None:
+            entry = self._opened[key] = [self._ops.open(share, device), seq, staged]
+        entry[1] = seq
+        return entry[0]
+
+    def _close_stale(self, seq: int) -> None:
+        """Close the lent allocations the latest message did not use: the sender's
+        freed memory is then its own again."""
+        stale = [k for k, (_, last, staged) in self._opened.items() if last < seq and not staged]
+        for key in stale:
+            del self._opened[key]
+
+    def accept(
+        self, offer: bytes, sizes: Sequence[int], into: Sequence[torch.Tensor] | None,
+        device: torch.device | None, order: object,
+    ) -> list[torch.Tensor]:
+        ops = self._ops
+        got = decode_offer(offer, self._peer)
+        with self._recv_lock:
+            self._check_usable("cuda_ipc recv")
+            if not got.pieces:  # an offer of empty tensors only: no number, no ack
+                if any(sizes):
+                    raise ProtocolMismatchError(
+                        f"cuda_ipc recv from {self._peer}: an empty offer for tensors of "
+                        f"{list(sizes)} bytes; the connection is closed")
+                return []
+            what = f"cuda_ipc recv of message {got.seq} from {self._peer}"
+            if got.seq != self._expected:
+                self._failed = ProtocolMismatchError(
+                    f"{what}: message {self._expected} was due; the CUDA path is closed")
+                raise self._failed
+            self._expected += 1
+            self._last_recv = time.monotonic()
+            refusal = check_pieces(got, sizes)
+            local = ops.local_gpus().get(got.gpu)
+            if not refusal and local is None:
+                refusal = (f"it lies on GPU {got.gpu}, which the receiving process does not "
+                           f"see (its GPUs: {sorted(ops.local_gpus())}; check "
+                           "CUDA_VISIBLE_DEVICES)")
+            if refusal:
+                self._ack(got.seq, refusal)
+                raise ProtocolMismatchError(f"{what}: the payload was refused: {refusal}")
+            try:
+                buffers = self._copy_out(got, ops.device(local), into, device, order)
+            except RuntimeError as exc:  # opening the memory or the event, or a copy
+                self._ack(got.seq, f"the receiver could not read the sender's GPU memory: {exc}")
+                raise CommError(f"{what}: reading the sender's GPU memory failed: {exc}") from exc
+            self._ack(got.seq, "")
+            self._close_stale(got.seq)
+            return buffers
+
+    def refuse(self, offer: bytes, reason: str) -> None:
+        """Turn the received ``offer`` down (the receiver cannot take it: ``reason``),
+        telling the sender, whose send then raises that reason."""
+        got = decode_offer(offer, self._peer)
+        with self._recv_lock:
+            self._check_usable("cuda_ipc recv")
+            if got.pieces and got.seq == self._expected:
+                self._expected += 1
+                self._ack(got.seq, reason)
+
+    def _copy_out(
+        self, offer: Offer, src_device: torch.device, into: Sequence[torch.Tensor] | None,
+        device: torch.device | None, order: object,
+    ) -> list[torch.Tensor]:
+        ops = self._ops
+        memory = [self._open(s, src_device, offer.seq, offer.staged) for s in offer.shares]
+        srcs = [memory[i][o : o + n] for i, o, n in offer.pieces]
+        stream = self._recv_stream
+        ops.wait_stream(stream, order)  # the caller's buffers are free to write
+        ops.wait_event(stream, self._peer_ready)  # the sender's bytes are there
+        if into is not None:
+            dsts = [v for v in byte_views(into, f"cuda_ipc recv from {self._peer}", ops) if v.numel()]
+            ops.copy(dsts, srcs, stream)
+        elif offer.staged:
+            first = offer.pieces[0][1]
+            span = offer.pieces[-1][1] + offer.pieces[-1][2] - first
+            block = ops.empty(span, device or src_device)
+            ops.copy([block], [memory[0][first : first + span]], stream)
+            dsts = [block[o - first : o - first + n] for _, o, n in offer.pieces]
+        else:
+            offsets, total = payload_layout([n for _, _, n in offer.pieces])
+            block = ops.empty(total, device or src_device)
+            dsts = [block[o : o + n] for o, (_, _, n) in zip(offsets, offer.pieces)]
+            ops.copy(dsts, srcs, stream)
+        ops.record(self._done, stream)
+        if order is None:  # no caller's stream to order: the host waits for the copies
+            ops.synchronize(self._done)
+        else:
+            ops.wait_event(order, self._done)
+        return dsts
+
+    def _ack(self, seq: int, refusal: str) -> None:
+        data = _ACK.pack(seq, _REFUSED if refusal else _OK) + refusal.encode()[:2048]
         try:
-            self._outgoing.post(seq, offer)
-            self._outgoing.wait_ack(seq, timeout)
-        except (CommTimeoutError, PeerLostError) as exc:
-            # The receiver may still read the staging buffer: later sends must not touch it.
-            self._failed = exc
-            raise
+            self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:  # the sender has not taken its acks in for a while
+            try:
+                self._sock.settimeout(10.0)
+                self._sock.send(data)
+            except OSError as exc:
+                raise map_error(exc, "cuda_ipc ack", self._peer) from exc
+            finally:
+                self._sock.settimeout(None)
+        except OSError as exc:
+            raise PeerLostError(f"cuda_ipc ack to {self._peer}: the peer is gone ({exc})") from exc
 
-    # -- receiving ----------------------------------------------------------------------------
+    # -- lifetimes ------------------------------------------------------------------------------
 
-    def _open_memory(self, offer: Offer, index: int) -> torch.Tensor:
-        key = (offer.gpu, offer.mem_handle, offer.storage_offset, offer.storage_bytes,
-               offer.ref_counter, offer.ref_counter_offset)
-        if self._opened is None or self._opened[0] != key:
-            # The sender has one staging buffer: an older one is dead there, close it here.
-            self._opened = None
-            storage = torch.UntypedStorage._new_shared_cuda(
-                index, offer.mem_handle, offer.storage_bytes, offer.storage_offset,
-                offer.ref_counter, offer.ref_counter_offset, offer.share_event,
-                offer.share_event_sync,
-            )
-            memory = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
-            self._opened = (key, memory.set_(storage))
-        return self._opened[1]
+    def release_idle(self, now: float, after: float) -> None:
+        """Release the staging area and close what this end opened, when unused for
+        ``after`` seconds (never waits on a busy side)."""
+        if self._send_lock.acquire(blocking=False):
+            try:
+                staging = self._staging
+                if staging is not None and staging.idle and now - self._last_send >= after:
+                    self._staging = None
+                    self._shared = [s for s in self._shared if s != staging.share]
+                    self._ops.collect()
+            finally:
+                self._send_lock.release()
+        if self._recv_lock.acquire(blocking=False):
+            try:
+                if self._opened and now - self._last_recv >= after:
+                    self._opened.clear()
+            finally:
+                self._recv_lock.release()
 
-    def _open_event(self, handle: bytes, index: int) -> torch.cuda.Event:
-        event = self._peer_events.get(handle)
-        if event is None:
-            if len(self._peer_events) >= _MAX_EVENTS:
-                self._peer_events.clear()
-            event = torch.cuda.Event.from_ipc_handle(index, handle)
-            self._peer_events[handle] = event
-        return event
-
-    def _copy_out(self, offer: Offer, views: list[torch.Tensor], index: int) -> None:
-        source = self._open_memory(offer, index)
-        event = self._open_event(offer.event, index)
-        with torch.cuda.device(index):
-            # Copies run on the source GPU's current stream (torch's rule for copies
-            # between devices), which first waits for the sender's copies.
-            event.wait(torch.cuda.current_stream())
-            for view, start, n in zip(views, offer.offsets, offer.sizes, strict=True):
-                if n:
-                    view.copy_(source[start : start + n], non_blocking=True)
-        for device in {index, *(v.device.index for v in views)}:
-            torch.cuda.current_stream(device).synchronize()
-
-    def _refusal(self, offer: Offer, sizes: list[int]) -> str:
-        if offer.sizes != sizes:
-            return (
-                f"it holds tensors of {offer.sizes} bytes but the receiver's buffers are "
-                f"{sizes} bytes"
-            )
-        if offer.gpu not in local_gpus():
-            return (
-                f"it lies on GPU {offer.gpu}, which the receiving process does not see "
-                f"(its GPUs: {sorted(local_gpus())}; check CUDA_VISIBLE_DEVICES)"
-            )
-        return ""
-
-    def recv_into(self, tensors: Sequence[torch.Tensor], timeout: float | None) -> None:
-        self._check_usable("cuda_ipc recv")
-        views = byte_views(tensors, f"cuda_ipc recv from {self._peer}")
-        sizes = [v.numel() for v in views]
-        if not any(sizes):
-            return  # the sender skipped it alike
-        seq = self._received
-        try:
-            offer = self._incoming.take(seq, timeout)
-            self._received += 1
-            refusal = self._refusal(offer, sizes)
-            failure = None
-            if not refusal:
-                try:
-                    self._copy_out(offer, views, local_gpus()[offer.gpu])
-                except RuntimeError as exc:  # opening the memory or the event, or a copy
-                    failure = exc
-                    refusal = f"the receiver could not read the sender's GPU memory: {exc}"
-            self._incoming.ack(seq, refusal)
-        except CommError as exc:
-            self._failed = exc
-            raise
-        what = f"cuda_ipc recv of message {seq} from {self._peer}"
-        if failure is not None:
-            raise CommError(
-                f"{what}: reading the sender's GPU memory failed: {failure}"
-            ) from failure
-        if refusal:
-            raise ProtocolMismatchError(f"{what}: the payload was refused: {refusal}")
-
-    def close(self) -> None:
+    def close(self, lost: bool = False) -> None:
+        if self._closed:
+            return
         self._closed = True
-        self._staging = self._share = None
-        self._events.clear()
-        self._opened = None
-        self._peer_events.clear()
+        _IDLE.discard(self)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a send waiting for an ack
+        except OSError:
+            pass
+        with self._send_lock:
+            shared, self._shared = self._shared, []
+            if lost:
+                for share in shared:
+                    self._ops.release(share)
+            for lent in self._lent.values():
+                self._ops.free_weak_ref(lent.ref)
+            self._lent.clear()
+            self._staging = None
+            self._in_flight.clear()
+        with self._recv_lock:
+            self._opened.clear()
+        self._sock.close()
+        try:
+            self._ops.collect()
+        except RuntimeError:
+            logger.debug("collecting CUDA IPC memory failed", exc_info=True)
+
+
+class _IdleReleaser:
+    """One thread per process that releases idle transports' memory (see
+    :meth:`CudaIpcTransport.release_idle`); it runs while any transport exists."""
+
+    def __init__(self) -> None:
+        self._transports: weakref.WeakSet[CudaIpcTransport] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, transport: CudaIpcTransport) -> None:
+        with self._lock:
+            self._transports.add(transport)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="rlcomm-cuda-idle",
+                                                daemon=True)
+                self._thread.start()
+
+    def discard(self, transport: CudaIpcTransport) -> None:
+        with self._lock:
+            self._transports.discard(transport)
+
+    def _run(self) -> None:
+        while True:
+            after = idle_release()
+            time.sleep(min(1.0, max(0.05, after / 4)))
+            with self._lock:
+                transports = list(self._transports)
+                if not transports:
+                    self._thread = None
+                    return
+            now = time.monotonic()
+            for transport in transports:
+                try:
+                    transport.release_idle(now, after)
+                except Exception:  # noqa: BLE001 - one transport's failure must not stop the others
+                    logger.exception("releasing idle CUDA IPC memory failed")
+
+
+_IDLE = _IdleReleaser()
 
 
 def _cuda_ipc(setup: registry.TransportSetup) -> CudaIpcTransport:
-    return CudaIpcTransport(setup.store, setup.rank, setup.peer)
+    if setup.device is None:
+        raise ValueError("the cuda_ipc transport needs the CUDA device of its end")
+    return CudaIpcTransport(setup.store, setup.rank, setup.peer, setup.device, setup.timeout,
+                            setup.peer_pid)
 
 
 #: CUDA IPC connects CUDA payloads of two ends on one physical GPU (so one node).
@@ -242,3 +820,4 @@ SPEC = registry.register(registry.TransportSpec(
     accepts=lambda facts: bool(facts.same_gpu and facts.same_node), factory=_cuda_ipc,
     preference=1,
 ))
+

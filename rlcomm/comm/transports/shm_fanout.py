@@ -32,7 +32,7 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -271,11 +271,13 @@ class FanoutSource:
         return slot
 
     def publish(
-        self, seq: int, frame: bytes, payload: Sequence[torch.Tensor], deadline: float
+        self, seq: int, frame: bytes, payload: Sequence[torch.Tensor], deadline: float,
+        only: Collection[int] | None = None,
     ) -> dict[int, Exception]:
         """Hand message ``seq`` (``frame``, then the uint8 ``payload`` tensors) to every
-        connected receiver. Returns the failures by member (a receiver whose process is
-        gone, or whose socket stayed full until ``deadline``); the others got it."""
+        connected receiver (``only``: to those members). Returns the failures by member (a
+        receiver whose process is gone, or whose socket stayed full until ``deadline``);
+        the others got it."""
         failures: dict[int, Exception] = {}
         slot = None
         by_fd = _handed_over(frame, payload)
@@ -289,7 +291,7 @@ class FanoutSource:
             for off, t in zip(offsets, payload):
                 bulk_copy.copy(slot.tensor[off : off + t.numel()], t)
         try:
-            self._hand_to_each(seq, frame, slot, handed, deadline, failures)
+            self._hand_to_each(seq, frame, slot, handed, deadline, failures, only)
         finally:
             if rest_fd is not None:  # each receiver got its own reference
                 os.close(rest_fd)
@@ -298,9 +300,11 @@ class FanoutSource:
     def _hand_to_each(
         self, seq: int, frame: bytes, slot: _Slot | None,
         handed: list[tuple[int, int, int]] | None, deadline: float,
-        failures: dict[int, Exception],
+        failures: dict[int, Exception], only: Collection[int] | None = None,
     ) -> None:
         for member, link in self._links.items():
+            if only is not None and member not in only:
+                continue
             if not link.alive:
                 failures[member] = PeerLostError(f"{self._label}: receiver {member} is gone")
                 continue

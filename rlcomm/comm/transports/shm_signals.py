@@ -43,11 +43,11 @@ _HANDED = struct.Struct("<QQ")  # offset, bytes: the data of an fd message after
 HANDED = -1
 
 
-def _seqpacket() -> socket.socket:
+def seqpacket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def _credentials_ok(sock: socket.socket, peer_pid: int | None) -> bool:
+def credentials_ok(sock: socket.socket, peer_pid: int | None) -> bool:
     """Whether the process at the other end of ``sock`` runs as this user and, when
     ``peer_pid`` is given, is that process."""
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
@@ -102,7 +102,7 @@ class SignalSockets:
     def _listen(
         cls, store: dist.Store, out_fd: int, deadline: float, peer: str, peer_pid: int | None
     ):
-        server = _seqpacket()
+        server = seqpacket()
         name = f"\0rlcomm-shm-{uuid.uuid4().hex}"
         server.bind(name)
         server.listen(2)
@@ -113,7 +113,7 @@ class SignalSockets:
             while len(socks) < 2:
                 server.settimeout(max(0.01, deadline - time.monotonic()))
                 conn, _ = server.accept()
-                if not _credentials_ok(conn, peer_pid):
+                if not credentials_ok(conn, peer_pid):
                     logger.warning("shm set-up for %s: a connection from another process "
                                    "was refused", peer)
                     conn.close()
@@ -142,16 +142,16 @@ class SignalSockets:
         if not name.startswith("\0rlcomm-shm-"):
             raise AuthenticationError(f"shm set-up with {peer}: unexpected socket name {name!r}")
         # Roles are named from the listener's side.
-        mine_out = _seqpacket()
+        mine_out = seqpacket()
         mine_out.settimeout(max(0.01, deadline - time.monotonic()))
         mine_out.connect(name)
-        if not _credentials_ok(mine_out, peer_pid):
+        if not credentials_ok(mine_out, peer_pid):
             mine_out.close()
             raise AuthenticationError(
                 f"shm set-up with {peer}: the socket belongs to another process"
             )
         socket.send_fds(mine_out, [b"peer->me"], [out_fd])
-        mine_in = _seqpacket()
+        mine_in = seqpacket()
         mine_in.settimeout(max(0.01, deadline - time.monotonic()))
         mine_in.connect(name)
         mine_in.sendall(b"me->peer")
