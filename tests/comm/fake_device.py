@@ -145,7 +145,9 @@ class FakeDevice(DeviceOps):
 
     def release(self, share: Share) -> None:
         with _lock:
-            _counters[(share.ref_counter, share.ref_counter_offset)] -= 1
+            key = (share.ref_counter, share.ref_counter_offset)
+            if key in _counters:  # collected already: nothing holds it
+                _counters[key] -= 1
 
     def collect(self) -> None:
         with _lock:

@@ -39,6 +39,15 @@ class Caster(Worker):
             self.held.append(got)
         return _matches(got, step)
 
+    def cast_into(self, step, groups, src, source):
+        """Receive a broadcast into tensors of this worker's (the source sends)."""
+        if source:
+            self.broadcast(_weights(step), groups=groups, src=src)
+            return True
+        into = {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+        got = self.broadcast(None, groups=groups, src=src, into=into)
+        return got is into and _matches(into, step)
+
     def cast_object(self, obj, groups, src):
         return self.broadcast(obj, groups=groups, src=src)
 
@@ -109,6 +118,11 @@ def test_dict_of_tensors_to_four_receivers(casters):
     first = casters.execute_on(0).cast_object(obj, MEMBERS, None)
     others = casters.execute_on(1, 2, 3, 4).cast_object(None, MEMBERS, None)
     assert first.wait(timeout=60) == [obj] and others.wait(timeout=60) == [obj] * 4
+
+
+def test_receivers_take_a_broadcast_into_their_own_tensors(casters):
+    handles = _cast(casters, range(5), 0, "cast_into", 6, MEMBERS, (GROUP, 0))
+    assert [h.wait(timeout=120)[0] for h in handles] == [True] * 5
 
 
 def test_segment_is_reused_after_receivers_drop_views(casters):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 import threading
 import time
 
@@ -21,7 +22,10 @@ from rlcomm import (
     PackedPlacementStrategy,
     Worker,
 )
+from rlcomm.comm import codec
+from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.store import StoreClient, StoreServer, sub_store
 from rlcomm.comm.transports import gpus, registry
@@ -196,7 +200,7 @@ def test_a_lent_payload_lands_straight_in_the_receivers_tensors(ipc):
     a, b, (dev_a, dev_b) = ipc
     params = {"w": torch.randn(64, 64), "b": torch.randn(4096)}
     dst = {k: torch.zeros_like(v) for k, v in params.items()}
-    for round_ in range(3):
+    for _ in range(3):
         params["w"].add_(1)
         out = _send(a, list(params.values()))
         done = threading.Thread(target=a.complete, args=(out, None, time.monotonic() + 10))
@@ -396,6 +400,121 @@ def test_connection_choice_times_out_without_the_peer(conns, monkeypatch):
     with pytest.raises(CommTimeoutError, match="with b: the peer did not start"):
         a._cuda_transport(torch.device("cuda", 0), 0.5)
     assert a._cuda is None  # nothing chosen: a later op tries again
+
+
+# -- offers in frames, over a real connection (fake device) -----------------------------------
+
+
+@pytest.fixture
+def linked(conns, small_slots):
+    """An attached shared-memory connection pair whose CUDA path is CUDA IPC on fake
+    devices (the connection's own stores and link; CPU tensors stand for GPU memory)."""
+    a, b = conns
+    devs = [FakeDevice(), FakeDevice()]
+    made: dict[int, CudaIpcTransport] = {}
+
+    def make(rank: int, conn: Connection) -> None:
+        made[rank] = CudaIpcTransport(sub_store(conn._store, "cuda_ipc"), rank, conn.peer,
+                                      torch.device("cpu"), 10, os.getpid(), devs[rank])
+
+    t = threading.Thread(target=make, args=(1, b))
+    t.start()
+    make(0, a)
+    t.join(timeout=10)
+    a._cuda, b._cuda = made[0], made[1]
+    return a, b, devs
+
+
+def _device_frame(tensors: list[torch.Tensor]) -> bytes:
+    """The frame of a list of CUDA tensors (these CPU ones stand for them)."""
+    header = MessageHeader(Kind.TENSOR_LIST, [
+        TensorMeta(str(t.dtype).removeprefix("torch."), tuple(t.shape), "cuda") for t in tensors
+    ])
+    hb = codec.header_to_bytes(header)
+    return struct.pack("<I", len(hb)) + hb
+
+
+def _send_device(conn: Connection, tensors, behind: bool = False) -> None:
+    """What the sender does with a CUDA payload over a one-sided transport (``behind``:
+    the pair's first CUDA message, whose offer follows its frame)."""
+    frame = _device_frame(tensors)
+    order = DeviceOrder(None, None, False)
+    with conn.sender._lock:
+        if behind:
+            conn._transport.send_frame(frame, [], 10)
+            frame = b""
+        conn.sender._send_offered(conn._transport, conn._cuda, frame, tensors, 10, order, behind)
+
+
+def _received(conn: Connection, into=None):
+    return conn.recv_object(conn.take_ticket(), 10, None, into)
+
+
+def test_offers_ride_in_frames_and_the_receive_op_copies_out(linked):
+    a, b, (dev_a, dev_b) = linked
+    small = [torch.arange(100.0), torch.ones(20, dtype=torch.int64)]
+    big = [torch.randn(4096), torch.randn(100)]  # 16 KiB: lent
+    _send_device(a, small)  # staged: the send returned without b receiving
+    sender = threading.Thread(target=_send_device, args=(a, big))
+    sender.start()
+    got = _received(b)
+    assert [torch.equal(x, y) for x, y in zip(got, small)] == [True, True]
+    into = [torch.zeros(4096), torch.zeros(100)]
+    assert _received(b, into) is into and torch.equal(into[0], big[0])
+    sender.join(timeout=10)
+    assert not sender.is_alive()
+    # Nothing of either payload went through the connection's stream or the store.
+    assert dev_b.copies == 2 and dev_a.copies == 1 and a._cuda.stats()["acked"] == 2
+
+
+def test_the_first_cuda_message_brings_its_offer_behind_its_frame(linked):
+    a, b, _ = linked
+    payload = [torch.randn(4096)]
+    sender = threading.Thread(target=_send_device, args=(a, payload, True))
+    sender.start()
+    (got,) = _received(b)
+    sender.join(timeout=10)
+    assert torch.equal(got, payload[0])
+    assert b.reader.state.value == "idle"  # the stream stalled on it, and went on
+    _send_device(a, [torch.ones(8)])  # later ones: in the frame
+    assert torch.equal(_received(b)[0], torch.ones(8))
+
+
+def test_two_workers_that_both_send_lent_payloads_first_both_go_on(linked):
+    a, b, _ = linked
+    to_b, to_a = [torch.randn(4096)], [torch.randn(8192)]
+    errors: list[BaseException] = []
+    got: dict[str, torch.Tensor] = {}
+
+    def send_then_receive(conn, tensors, name):
+        try:
+            _send_device(conn, tensors)
+            got[name] = _received(conn)[0]
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send_then_receive, args=(a, to_b, "a")),
+               threading.Thread(target=send_then_receive, args=(b, to_a, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=15)
+    # Each waiting send took the other's payload in meanwhile: neither hangs.
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert torch.equal(got["b"], to_b[0]) and torch.equal(got["a"], to_a[0])
+
+
+def test_a_peer_lost_mid_transfer_releases_what_it_held(linked):
+    a, b, _ = linked
+    lent = [torch.randn(4096)]
+    sender = threading.Thread(target=lambda: pytest.raises(PeerLostError, _send_device, a, lent))
+    sender.start()
+    _wait(lambda: a._cuda.stats()["in_flight"] == 1)
+    shares = list(a._cuda._shared)
+    b.close()  # the receiver's process ends: its link and stream close
+    sender.join(timeout=10)
+    _wait(lambda: a.error is not None)  # the reader saw it; failing released the GPU memory
+    assert all(held(s) == 0 for s in shares) and a._cuda.stats()["lent"] == 0
 
 
 # -- workers on one GPU --------------------------------------------------------------------------

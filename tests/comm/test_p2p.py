@@ -209,6 +209,13 @@ class Peer(Worker):
     def recv_one(self, group, rank, **kw):
         return self.recv(group, rank, **kw)
 
+    def recv_into(self, group, rank, into, **kw):
+        """Receive into ``into`` (made here, as a worker's parameters would be); returns
+        what came back, whether it is ``into`` itself, and the values."""
+        got = self.recv(group, rank, into=into, **kw)
+        obj = got[0] if isinstance(got, tuple) else got
+        return got, obj is into
+
     def send_unpicklable(self, group, rank):
         self.send({"lock": threading.Lock()}, group, rank)
 
@@ -353,6 +360,48 @@ def test_send_recv_tensor_mismatches(peers):
     assert err[0] == "ProtocolMismatchError" and "float32" in err[1]
     got = b.execute_on(0).recv_tensor_one((2, 3), torch.float32, "p2p_a", 0).wait(timeout=30)[0]
     assert torch.equal(got, torch.ones(2, 3))
+
+
+def test_recv_into_existing_tensors(peers):
+    a, b = peers
+    sent = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    params = {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16),
+              "extra": torch.zeros(2)}  # keys the message lacks are left alone
+    a.execute_on(0).send_one(sent, "p2p_b", 0).wait(timeout=30)
+    got, same = b.execute_on(0).recv_into("p2p_a", 0, params).wait(timeout=30)[0]
+    assert same and torch.equal(got["w"], sent["w"]) and torch.equal(got["b"], sent["b"])
+    assert torch.equal(got["extra"], torch.zeros(2))
+    # Lists, one tensor, a piggyback, and a payload past the inline size.
+    big = torch.randn(1 << 18)
+    a.execute_on(0).send_one([big, torch.ones(2)], "p2p_b", 0).wait(timeout=30)
+    got, same = b.execute_on(0).recv_into(
+        "p2p_a", 0, [torch.empty(1 << 18), torch.empty(2)]).wait(timeout=30)[0]
+    assert same and torch.equal(got[0], big) and torch.equal(got[1], torch.ones(2))
+    a.execute_on(0).send_one(torch.full((3,), 7.0), "p2p_b", 0,
+                             piggyback_payload={"step": 9}).wait(timeout=30)
+    (into, piggyback), _ = b.execute_on(0).recv_into("p2p_a", 0, torch.empty(3)).wait(timeout=30)[0]
+    assert torch.equal(into, torch.full((3,), 7.0)) and piggyback == {"step": 9}
+
+
+def test_recv_into_tensors_that_do_not_fit_keeps_the_message(peers):
+    a, b = peers
+    a.execute_on(0).send_one({"w": torch.ones(4)}, "p2p_b", 0).wait(timeout=30)
+    cases = [
+        ({"v": torch.zeros(4)}, "lacks keys ['w']"),
+        ({"w": torch.zeros(5)}, "into['w'] is float32 of shape (5,) but the sender sent float32 of shape (4,)"),
+        ({"w": torch.zeros(4, dtype=torch.int64)}, "into['w'] is int64"),
+        ([torch.zeros(4)], "must be a dict"),
+    ]
+    for into, text in cases:
+        err = b.execute_on(0).expect_error("recv_into", "p2p_a", 0, into).wait(timeout=30)[0]
+        assert err[0] == "ProtocolMismatchError" and text in err[1], err
+    # It stayed queued: the right destination gets it.
+    got, same = b.execute_on(0).recv_into("p2p_a", 0, {"w": torch.zeros(4)}).wait(timeout=30)[0]
+    assert same and torch.equal(got["w"], torch.ones(4))
+    a.execute_on(0).send_one("text", "p2p_b", 0).wait(timeout=30)
+    err = b.execute_on(0).expect_error("recv_into", "p2p_a", 0, torch.zeros(1)).wait(timeout=30)[0]
+    assert err[0] == "ProtocolMismatchError" and "OBJECT message cannot be received into" in err[1]
+    assert b.execute_on(0).recv_one("p2p_a", 0).wait(timeout=30) == ["text"]
 
 
 def test_bad_input_fails_fast(peers):

@@ -241,14 +241,15 @@ class Reader:
         header = msg.header
         if msg.tensors is not None:  # taken in already (take_in_offers)
             return _fill(targets, msg.tensors)
-        if device is None or (targets and targets[0].is_cuda):
-            device = targets[0].device if targets and targets[0].is_cuda else (
-                torch.device("cuda", torch.cuda.current_device()))
+        if targets and targets[0].is_cuda:
+            device = targets[0].device
         direct = targets is not None and all(t.is_cuda and t.is_contiguous() for t in targets)
-        cuda = self._cuda_transport(device, timeout)
+        cuda = self._cuda_transport(None, timeout) or self._cuda_transport(
+            device or torch.device("cuda", torch.cuda.current_device()), timeout)
         offer = msg.offer
         if not offer:  # deferred: the payload (NCCL) or its offer follows in the stream
             if not isinstance(cuda, OneSidedTransport):
+                device = device or torch.device("cuda", torch.cuda.current_device())
                 buffers = targets if direct else [codec.empty_like_meta(m, device) for m in header.tensors]
 
                 def read_stream(transport: Transport) -> list[torch.Tensor]:
@@ -266,10 +267,11 @@ class Reader:
                 f"payloads go over {cuda.name}; the ends disagree"
             )
         sizes = [m.nbytes for m in header.tensors]
-        order = torch.cuda.current_stream(device)
-        buffers = cuda.accept(offer, sizes, targets if direct else None, device, order)
+        buffers = cuda.accept(offer, sizes, targets if direct else None, device,
+                              cuda.current_order(device))
         if direct:
             return targets  # type: ignore[return-value]
+        device = buffers[0].device if buffers else device
         return _fill(targets, framing.tensors_from_payload(header, buffers, device))
 
     def take_in_offers(self) -> None:

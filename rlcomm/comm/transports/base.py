@@ -311,6 +311,10 @@ class OneSidedTransport(ABC):
         """
 
     @abstractmethod
+    def current_order(self, device: torch.device | None) -> object:
+        """The calling thread's current stream on ``device`` (``None``: this end's)."""
+
+    @abstractmethod
     def refuse(self, offer: bytes, reason: str) -> None:
         """Turn a received ``offer`` down, telling the sender ``reason``."""
 

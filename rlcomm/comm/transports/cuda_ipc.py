@@ -661,6 +661,9 @@ class CudaIpcTransport(OneSidedTransport):
             self._close_stale(got.seq)
             return buffers
 
+    def current_order(self, device: torch.device | None) -> object:
+        return self._ops.current_stream(device or self._device)
+
     def refuse(self, offer: bytes, reason: str) -> None:
         """Turn the received ``offer`` down (the receiver cannot take it: ``reason``),
         telling the sender, whose send then raises that reason."""
