@@ -305,6 +305,20 @@ class Worker(DispatchInfoMixin):
             raise ValueError("broadcast: groups is required, e.g. [('trainer', 0), ('rollout', [0, 1])]")
         return self._comm.broadcast(object, groups, src, async_op, options, into)
 
+    def gpu_info(self) -> dict[str, Any]:
+        """What this worker uses of the GPUs: ``device`` (its current CUDA device
+        index), ``gpu`` (that GPU's UUID, the same in every process), ``visible`` (the
+        UUIDs of the GPUs it sees) and ``mps`` (whether an NVIDIA MPS daemon serves it).
+
+        Workers on one GPU whose ``gpu`` is equal talk over CUDA IPC; under MPS their
+        hand-offs cost about a tenth (see the README's GPU section). The GPU fields are
+        ``None``/empty until the worker has used CUDA (asking does not initialize it).
+        Call it on a group to see the whole job: ``group.gpu_info().wait()``.
+        """
+        from rlcomm.comm.transports.gpus import gpu_info
+
+        return gpu_info()
+
     # -- channels ---------------------------------------------------------------------------
     # The seam between workers and channels: a worker offers channels (RLinf's
     # Worker.create_channel / connect_channel), a channel knows nothing of workers (its

@@ -643,3 +643,27 @@ def test_cuda_send_to_a_peer_that_never_receives_times_out(cluster):
     finally:
         a.shutdown()
         b.shutdown()
+
+
+# -- MPS ------------------------------------------------------------------------------------------
+
+
+def test_mps_is_seen_from_its_pipe_and_its_daemon(tmp_path):
+    pipes, proc = tmp_path / "mps", tmp_path / "proc"
+    pipes.mkdir()
+    (proc / "17").mkdir(parents=True)
+    (proc / "17" / "comm").write_text("python\n")
+    (proc / "self").mkdir()  # not a process id: skipped
+    assert not gpus.mps_running(str(pipes), str(proc))  # no control pipe
+    os.mkfifo(pipes / "control")
+    assert not gpus.mps_running(str(pipes), str(proc))  # a pipe left behind, no daemon
+    (proc / "23").mkdir()
+    (proc / "23" / "comm").write_text("nvidia-cuda-mps\n")  # the kernel's 15 characters
+    assert gpus.mps_running(str(pipes), str(proc))
+
+
+def test_gpu_info_without_cuda_in_use_initializes_nothing():
+    info = gpus.gpu_info()
+    assert set(info) == {"device", "gpu", "visible", "mps"} and isinstance(info["mps"], bool)
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        assert info["device"] is None and info["gpu"] is None and info["visible"] == []

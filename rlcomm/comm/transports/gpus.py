@@ -5,6 +5,7 @@ UUIDs by which the two ends of a pair learn whether they share one GPU."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -52,3 +53,45 @@ def exchange_gpu_uuids(
                 f"within {timeout}s (both ends of a connection must reach one)"
             )
         raise error from exc
+
+
+#: Where the MPS control daemon's pipes are when ``CUDA_MPS_PIPE_DIRECTORY`` is not set.
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+
+
+def mps_running(pipe_dir: str | None = None, proc: str = "/proc") -> bool:
+    """Whether an NVIDIA MPS control daemon serves the pipe directory this process's
+    CUDA would use (``CUDA_MPS_PIPE_DIRECTORY``, else :data:`MPS_PIPE_DIRECTORY`): its
+    control pipe is there and a ``nvidia-cuda-mps-control`` process runs. CUDA contexts
+    made while it runs share the GPU through one MPS server, which makes a hand-off
+    between processes on one GPU about ten times cheaper; nothing needs it."""
+    pipe_dir = pipe_dir or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DIRECTORY
+    if not os.path.exists(os.path.join(pipe_dir, "control")):
+        return False
+    try:
+        entries = list(os.scandir(proc))
+    except OSError:
+        return False
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(os.path.join(entry.path, "comm")) as f:
+                # The kernel keeps 15 characters of a command's name.
+                if f.read().strip().startswith("nvidia-cuda-mps"):
+                    return True
+        except OSError:
+            continue  # ended meanwhile, or not ours to read
+    return False
+
+
+def gpu_info() -> dict:
+    """What this process uses of the GPUs: its current device, that GPU's UUID, the
+    UUIDs it sees, and whether an MPS daemon serves it (:func:`mps_running`). Empty
+    GPU fields where CUDA is not available; CUDA is not initialized by asking."""
+    info: dict = {"device": None, "gpu": None, "visible": [], "mps": mps_running()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+        info.update(device=index, gpu=gpu_uuid(torch.device("cuda", index)),
+                    visible=sorted(local_gpus()))
+    return info

@@ -1,0 +1,214 @@
+"""Weight sync between workers on one GPU: CUDA IPC messages (staged and lent), receives
+into parameters, the device-side broadcast, ordering on the caller's stream, memory over
+many syncs and after a peer is killed. Needs a CUDA device (the protocol itself is tested
+on CPU in test_cuda_ipc.py and test_broadcast_device.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from rlcomm import CollectiveGroupOptions, PackedPlacementStrategy, Worker
+from rlcomm.comm.identity.address import WorkerAddress
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+LENT = 4 << 20  # bytes of a lent tensor (above RLCOMM_CUDA_SLOT_BYTES)
+
+
+def _params(step: float, n: int = 8) -> dict[str, torch.Tensor]:
+    return {f"layer{i}": torch.full((LENT // 2,), step + i, dtype=torch.bfloat16, device="cuda")
+            for i in range(n)}
+
+
+class Syncer(Worker):
+    """One worker on GPU 0 (every group here is placed on hardware rank 0)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.cuda.set_device(0)
+        self.params = _params(0.0)
+
+    def _conn(self, group, rank):
+        return self._comm.connection(WorkerAddress.of(group, rank), None)
+
+    def cuda_stats(self, group, rank):
+        """The CUDA transport's stats of the connection with the peer (the connection
+        is kept here, so that it can still be read once the peer is gone)."""
+        if not hasattr(self, "_kept"):
+            self._kept = self._conn(group, rank)
+        cuda = self._kept._cuda
+        return None if cuda is None else {"name": cuda.name, **cuda.stats()}
+
+    def memory(self):
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        return torch.cuda.memory_allocated()
+
+    # -- the trainer's side -------------------------------------------------------------
+
+    def push(self, group, rank, steps, async_op=False):
+        """Send fresh values of the same parameters ``steps`` times."""
+        for step in range(steps):
+            for i, p in enumerate(self.params.values()):
+                p.fill_(step + i)
+            work = self.send(self.params, group, rank, async_op=async_op)
+            if work is not None:
+                work.wait()
+        return True
+
+    def push_small(self, group, rank, count):
+        for i in range(count):
+            self.send({"i": torch.tensor([i], device="cuda"), "v": torch.ones(16, device="cuda")},
+                      group, rank)
+        return True
+
+    def push_after_slow_kernel(self, group, rank, nbytes):
+        """Queue a slow kernel, then write the payload on the same stream, then send it
+        with async_op: the receiver must see the written values, not the old ones."""
+        t = torch.zeros(nbytes // 4, device="cuda")
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write
+        t.fill_(42.0)
+        work = self.send(t, group, rank, async_op=True)
+        work.wait()
+        return True
+
+    def cast(self, groups, src, step):
+        for i, p in enumerate(self.params.values()):
+            p.fill_(step + i)
+        return self.broadcast(self.params, groups=groups, src=src) is self.params
+
+    # -- a receiver's side ---------------------------------------------------------------
+
+    def pull(self, group, rank, steps, into=True):
+        """Receive ``steps`` syncs (into the parameters, or fresh tensors); check each."""
+        ok = True
+        for step in range(steps):
+            got = self.recv(group, rank, into=self.params if into else None)
+            if into:
+                ok = ok and got is self.params
+            ok = ok and all(bool((v == step + i).all()) for i, v in enumerate(got.values()))
+        return ok
+
+    def pull_small(self, group, rank, count):
+        return [int(self.recv(group, rank)["i"]) for _ in range(count)] == list(range(count))
+
+    def pull_one(self, group, rank, nbytes):
+        got = self.recv(group, rank)
+        return bool((got == 42.0).all()) and got.numel() == nbytes // 4
+
+    def take_cast(self, groups, src, step, into):
+        target = {k: torch.zeros_like(v) for k, v in self.params.items()} if into else None
+        got = self.broadcast(None, groups=groups, src=src, into=target)
+        links = sum(len(group._device._links) for group in self._comm._bcast.values())
+        return (all(bool((v == step + i).all()) for i, v in enumerate(got.values())),
+                (got is target) if into else True, links)
+
+    def send_and_receive(self, group, rank, nbytes):
+        """Send a lent payload to the peer before receiving its own (both do)."""
+        mine = torch.full((nbytes // 4,), float(self._rank + 1), device="cuda")
+        self.send(mine, group, rank, options=CollectiveGroupOptions(timeout=60))
+        got = self.recv(group, rank, options=CollectiveGroupOptions(timeout=60))
+        return float(got[0])
+
+
+def _launch(cluster, name, count=1):
+    return [Syncer.create_group().launch(cluster, PackedPlacementStrategy(0, 0), name=f"{name}_{i}")
+            for i in range(count)]
+
+
+@pytest.fixture
+def pair(cluster):
+    groups = _launch(cluster, "gsync", 2)
+    yield groups
+    for g in groups:
+        g.shutdown()
+
+
+def test_a_weight_sync_lands_in_the_receivers_parameters(pair):
+    trainer, rollout = pair
+    pulled = rollout.pull("gsync_0", 0, 5)
+    assert trainer.push("gsync_1", 0, 5).wait(timeout=120) == [True]
+    assert pulled.wait(timeout=120) == [True]
+    stats = trainer.cuda_stats("gsync_1", 0).wait(timeout=30)[0]
+    # Lent: nothing staged for these 32 MiB, each allocation shared once.
+    assert stats["name"] == "cuda_ipc" and stats["acked"] == 5 and stats["lent"] == 8
+    # Fresh tensors, and small messages that go through the staging slots.
+    pulled = rollout.pull("gsync_0", 0, 2, into=False)
+    assert trainer.push("gsync_1", 0, 2, async_op=True).wait(timeout=120) == [True]
+    assert pulled.wait(timeout=120) == [True]
+    assert trainer.push_small("gsync_1", 0, 50).wait(timeout=120) == [True]  # no receiver yet
+    assert rollout.pull_small("gsync_0", 0, 50).wait(timeout=120) == [True]
+
+
+@pytest.mark.parametrize("nbytes", [4096, 64 << 20], ids=["staged", "lent"])
+def test_an_async_send_is_ordered_after_the_callers_stream(pair, nbytes):
+    trainer, rollout = pair
+    got = rollout.pull_one("gsync_0", 0, nbytes)
+    assert trainer.push_after_slow_kernel("gsync_1", 0, nbytes).wait(timeout=120) == [True]
+    assert got.wait(timeout=120) == [True]
+
+
+def test_two_workers_that_both_send_cuda_first_both_go_on(pair):
+    a, b = pair
+    ra = a.send_and_receive("gsync_1", 0, 16 << 20)
+    rb = b.send_and_receive("gsync_0", 0, 16 << 20)
+    assert ra.wait(timeout=120) == [2.0] and rb.wait(timeout=120) == [1.0]
+
+
+def test_no_gpu_memory_growth_over_a_thousand_syncs(pair):
+    trainer, rollout = pair
+    for _ in range(2):  # warm: connection, caches, allocator
+        pulled = rollout.pull("gsync_0", 0, 10)
+        trainer.push("gsync_1", 0, 10).wait(timeout=120)
+        pulled.wait(timeout=120)
+    before = [g.memory().wait(timeout=30)[0] for g in pair]
+    pulled = rollout.pull("gsync_0", 0, 1000)
+    assert trainer.push("gsync_1", 0, 1000).wait(timeout=600) == [True]
+    assert pulled.wait(timeout=600) == [True]
+    after = [g.memory().wait(timeout=30)[0] for g in pair]
+    assert after == before, (before, after)
+
+
+def test_staging_and_lent_memory_are_released_when_the_peer_is_killed(cluster):
+    trainer, victim = _launch(cluster, "gkill", 2)
+    try:
+        base = trainer.memory().wait(timeout=30)[0]
+        pulled = victim.pull("gkill_0", 0, 1)
+        trainer.push("gkill_1", 0, 1).wait(timeout=120)
+        pulled.wait(timeout=120)
+        # Staged messages the victim never receives hold staging slots.
+        trainer.push_small("gkill_1", 0, 4).wait(timeout=120)
+        held = trainer.cuda_stats("gkill_1", 0).wait(timeout=30)[0]
+        assert held["staging_bytes"] > 0 and held["in_flight"] == 4
+        ray.kill(victim.workers[0], no_restart=True)
+        deadline = time.monotonic() + 30
+        while True:  # the trainer's connection sees the death and releases everything
+            stats = trainer.cuda_stats("gkill_1", 0).wait(timeout=30)[0]
+            if stats["staging_bytes"] == 0 and stats["lent"] == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+        # Nothing of the trainer's GPU memory stays pinned for the dead process.
+        assert trainer.memory().wait(timeout=30)[0] == base
+    finally:
+        trainer.shutdown()
+        victim.shutdown()
+
+
+def test_a_broadcast_on_one_gpu_copies_on_the_device(cluster):
+    groups = _launch(cluster, "gcast", 3)
+    members = [("gcast_0", 0), ("gcast_1", 0), ("gcast_2", 0)]
+    try:
+        for step, into in ((1.0, True), (2.0, False), (3.0, True)):
+            takes = [g.take_cast(members, ("gcast_0", 0), step, into) for g in groups[1:]]
+            assert groups[0].cast(members, ("gcast_0", 0), step).wait(timeout=120) == [True]
+            results = [t.wait(timeout=120)[0] for t in takes]
+            # Every receiver copied on the device, over its link with the source.
+            assert all(ok and same and links == 1 for ok, same, links in results), results
+    finally:
+        for g in groups:
+            g.shutdown()
