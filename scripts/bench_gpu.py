@@ -17,6 +17,25 @@ the median of ``--repeats`` timed batches, timed inside the workers. ``--device 
 runs the same code on CPU tensors (Gloo as the raw baseline), to try the script on a
 machine without a GPU.
 
+Two more cases, on one GPU (``--case sync``, ``--case message``; ``--case all`` runs
+every case the machine allows):
+
+- *weight sync* (``--sync-bytes``, 1 GiB of 64 bf16 tensors by default): a trainer and
+  N = 1 and 4 receivers, each worker its own process on GPU 0, until every receiver
+  holds the values in its own parameters (its ``torch.cuda.synchronize()`` returned):
+  rlcomm ``broadcast`` into the parameters, ``send`` to each + ``recv`` into them,
+  ``send`` + ``recv`` into fresh tensors (not loaded), ``send_tensor`` per tensor; the
+  baseline verl and SGLang use, ``reduce_tensor`` CUDA IPC handles passed to each
+  receiver in a Ray call, rebuilt there and loaded; and the bound, N device copies of
+  the state dict inside one process. Milliseconds, median of ``--repeats`` rounds after
+  two warm-up rounds, one set of workers per N.
+- *per message* (4 B and 1 MiB): rlcomm ``send/recv`` streamed (messages back to back,
+  the receiver synchronizing at the end) and as a ping-pong (each side's copy done
+  before it answers: the latency of one hand-off), beside the hand-off floor measured
+  the same two ways (two processes, buffer and events opened once, a flag in shared
+  host memory, no store); without NVIDIA MPS and, when ``nvidia-cuda-mps-control`` is
+  on the machine, under MPS (the script starts the daemon and stops it after).
+
     python scripts/bench_gpu.py --json bench_gpu.json
 """
 
@@ -24,15 +43,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import time
 from typing import Any
 
+import _gpu_workers
+import ray
 import torch
 import torch.distributed as dist
+from _gpu_workers import MessageWorker, SyncWorker
 from bench_p2p import human_size
 
 from rlcomm import Cluster, PackedPlacementStrategy, Worker
+
+# The worker processes cannot import scripts/ by name: ship the module by value.
+ray.cloudpickle.register_pickle_by_value(_gpu_workers)
 
 SIZES = [1 << 20, 16 << 20, 256 << 20, 1 << 30]
 
@@ -179,6 +206,171 @@ class Bench:
         return "\n".join(lines)
 
 
+# -- the weight-sync and per-message cases ---------------------------------------------------
+
+SYNC_PATHS = ["broadcast", "send", "send_fresh", "send_tensor"]
+
+
+def _one_gpu_groups(cls: type, names: list[str], *args: Any) -> list[Any]:
+    groups = []
+    try:
+        for name in names:
+            groups.append(cls.create_group(*args).launch(
+                Cluster(num_nodes=1), PackedPlacementStrategy(0, 0), name=name))
+    except BaseException:
+        for g in groups:
+            g.shutdown()
+        raise
+    return groups
+
+
+def sync_case(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The weight-sync table's records: ms per sync, by path and receivers."""
+    records = []
+    rounds = 2 + args.repeats
+    for n in args.receivers:
+        names = ["sync_trainer", *[f"sync_rollout{i}" for i in range(n)]]
+        groups = _one_gpu_groups(SyncWorker, names, args.sync_bytes, args.sync_tensors)
+        trainer, receivers = groups[0], groups[1:]
+        addresses = [(name, 0) for name in names[1:]]
+        members = [(name, 0) for name in names]
+        try:
+            for path in SYNC_PATHS:
+                ends = [g.receiver_rounds(path, ("sync_trainer", 0), rounds, members)
+                        for g in receivers]
+                starts = trainer.trainer_rounds(path, addresses, rounds, members).wait(
+                    timeout=1800)[0]
+                got = [e.wait(timeout=1800)[0] for e in ends]
+                if not all(ok for _, ok in got):
+                    raise RuntimeError(f"weight sync by {path}: a receiver holds wrong values")
+                took = [max(e[k] for e, _ in got) - starts[k] for k in range(rounds)]
+                records.append(_sync_record(path, n, took[2:]))
+            actors = [g.workers[0] for g in receivers]
+            took = trainer.handle_rounds(actors, rounds).wait(timeout=1800)[0]
+            records.append(_sync_record("handles through Ray", n, took[2:]))
+            took = trainer.bound_rounds(n, rounds).wait(timeout=1800)[0]
+            records.append(_sync_record("bound", n, took[2:]))
+        finally:
+            for g in groups:
+                g.shutdown()
+    return records
+
+
+def _sync_record(path: str, n: int, seconds: list[float]) -> dict[str, Any]:
+    ms = [s * 1e3 for s in seconds]
+    record = {"case": "sync", "path": path, "receivers": n, "ms": statistics.median(ms),
+              "min": min(ms), "max": max(ms)}
+    print(f"  sync {path:22s} N={n}: {record['ms']:9.2f} ms ({record['min']:.2f}-"
+          f"{record['max']:.2f})", flush=True)
+    return record
+
+
+def _mps(start: bool) -> bool:
+    """Start (or stop) the NVIDIA MPS control daemon; False when it is not on the machine."""
+    binary = shutil.which("nvidia-cuda-mps-control")
+    if binary is None:
+        return False
+    if start:
+        subprocess.run([binary, "-d"], check=True, timeout=30)
+    else:
+        subprocess.run([binary], input=b"quit\n", check=False, timeout=30)
+    return True
+
+
+def message_case(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The per-message table's records, without MPS and (when there) under it."""
+    records = []
+    modes = [False] + ([True] if shutil.which("nvidia-cuda-mps-control") else [])
+    for mps in modes:
+        if mps:
+            _mps(True)
+        try:
+            a, b = _one_gpu_groups(MessageWorker, ["msg_0", "msg_1"])
+            try:
+                info = [g.gpu_info().wait(timeout=60)[0] for g in (a, b)]
+                for nbytes in (4, 1 << 20):
+                    iters = 2000 if nbytes <= 4096 else 500
+                    records += _message_records(a, b, nbytes, iters, mps, info, args.repeats)
+            finally:
+                a.shutdown()
+                b.shutdown()
+        finally:
+            if mps:
+                _mps(False)
+    return records
+
+
+def _message_records(a: Any, b: Any, nbytes: int, iters: int, mps: bool, info: list,
+                     repeats: int) -> list[dict[str, Any]]:
+    out = []
+
+    def timed(name: str, run: Any) -> None:
+        run(max(10, iters // 10))  # warm-up
+        per = [run(iters) for _ in range(repeats)]
+        us = statistics.median(per) * 1e6
+        out.append({"case": "message", "path": name, "bytes": nbytes, "mps": mps,
+                    "us": us, "min": min(per) * 1e6, "max": max(per) * 1e6,
+                    "GB/s": nbytes / (us * 1e-6) / 1e9, "workers": info})
+        print(f"  message {name:22s} {human_size(nbytes):>8s} mps={mps!s:5s}: {us:9.1f} µs",
+              flush=True)
+
+    def rlcomm(method: str) -> Any:
+        def run(n: int) -> float:
+            other = getattr(b, method)(("msg_0", 0), False, nbytes, n)
+            took = getattr(a, method)(("msg_1", 0), True, nbytes, n).wait(timeout=600)[0]
+            other.wait(timeout=600)
+            return took
+        return run
+
+    timed("rlcomm streamed", rlcomm("stream"))
+    timed("rlcomm ping-pong", rlcomm("latency"))
+    opened = a.floor_open(nbytes).wait(timeout=60)[0]
+    events = b.floor_attach(opened, nbytes).wait(timeout=60)[0]
+    a.floor_peer_events(events).wait(timeout=60)
+    try:
+        for name, serial in (("floor streamed", False), ("floor ping-pong", True)):
+            def floor(n: int, serial: bool = serial) -> float:
+                other = b.floor_run(False, nbytes, n, serial)
+                took = a.floor_run(True, nbytes, n, serial).wait(timeout=600)[0]
+                other.wait(timeout=600)
+                return took
+            timed(name, floor)
+    finally:
+        b.floor_close().wait(timeout=60)
+        a.floor_close().wait(timeout=60)
+    return out
+
+
+def case_tables(records: list[dict[str, Any]]) -> str:
+    lines = []
+    sync = [r for r in records if r["case"] == "sync"]
+    if sync:
+        ns = sorted({r["receivers"] for r in sync})
+        by = {(r["path"], r["receivers"]): r for r in sync}
+        lines.append("weight sync, ms (median; min-max)" + "".join(f"{'N=' + str(n):>22s}" for n in ns))
+        for path in dict.fromkeys(r["path"] for r in sync):
+            lines.append(f"{path:34s}" + "".join(
+                f"{by[(path, n)]['ms']:9.2f} ({by[(path, n)]['min']:.1f}-{by[(path, n)]['max']:.1f})"
+                .rjust(22) for n in ns))
+        for path in ("broadcast", "send"):
+            lines.append(f"{path + ' over the bound':34s}" + "".join(
+                f"{by[(path, n)]['ms'] / by[('bound', n)]['ms']:21.2f}x" for n in ns))
+            lines.append(f"{'handles over ' + path:34s}" + "".join(
+                f"{by[('handles through Ray', n)]['ms'] / by[(path, n)]['ms']:21.2f}x" for n in ns))
+    msgs = [r for r in records if r["case"] == "message"]
+    if msgs:
+        lines.append("per message, µs (median)")
+        for mps in sorted({r["mps"] for r in msgs}):
+            for nbytes in sorted({r["bytes"] for r in msgs}):
+                row = {r["path"]: r["us"] for r in msgs if r["mps"] == mps and r["bytes"] == nbytes}
+                lines.append(f"  mps={mps!s:5s} {human_size(nbytes):>8s}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in row.items()))
+                for how in ("streamed", "ping-pong"):
+                    lines.append(f"      rlcomm {how} over the floor: "
+                                 f"{row[f'rlcomm {how}'] / row[f'floor {how}']:.2f}x")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=None,
@@ -186,19 +378,42 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--case", choices=("p2p", "sync", "message", "all"), default="all",
+                        help="bandwidth between two workers, the weight sync on one GPU, "
+                             "the per-message case, or every one the machine allows")
+    parser.add_argument("--sync-bytes", type=int, default=1 << 30)
+    parser.add_argument("--sync-tensors", type=int, default=64)
+    parser.add_argument("--receivers", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 4])
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here; --device cpu tries the script on CPU tensors")
     if args.gpus is None:
         args.gpus = 2 if args.device == "cuda" and torch.cuda.device_count() >= 2 else 1
-    bench = Bench(args)
-    bench.run()
-    print(bench.table())
+    one_gpu = args.device == "cuda"
+    result: dict[str, Any] = {"gpus": args.gpus, "device": args.device, "records": []}
+    if args.case in ("p2p", "all"):
+        bench = Bench(args)
+        bench.run()
+        print(bench.table())
+        result.update(transport=bench.transport, records=bench.records)
+    if args.case in ("sync", "message", "all") and one_gpu:
+        if not ray.is_initialized():
+            Cluster(num_nodes=1, ray_init_kwargs={"include_dashboard": False,
+                                                  "logging_level": "ERROR"})
+        extra = []
+        if args.case in ("sync", "all"):
+            extra += sync_case(args)
+        if args.case in ("message", "all"):
+            extra += message_case(args)
+        print(case_tables(extra))
+        result["records"] = result["records"] + extra
+    elif args.case in ("sync", "message"):
+        parser.error(f"--case {args.case} needs a CUDA device")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpus": args.gpus, "device": args.device, "transport": bench.transport,
-                       "records": bench.records}, f, indent=1)
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
