@@ -158,6 +158,9 @@ class FakeDevice(DeviceOps):
         self.allocated += nbytes
         return torch.empty(nbytes, dtype=torch.uint8)
 
+    def keep_until_done(self, tensors: list[torch.Tensor], stream: Any) -> None:
+        pass  # the fake's copies are done when copy() returns
+
     def copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any) -> None:
         self.copies += 1
         for dst, src in zip(dsts, srcs, strict=True):

@@ -164,11 +164,19 @@ class DeviceOps:
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
+    def keep_until_done(self, tensors: list[torch.Tensor], stream: Any) -> None:
+        """Keep the allocator from handing ``tensors``' memory out again, once freed,
+        before the work queued on ``stream`` now is done."""
+        for t in tensors:
+            t.record_stream(stream)
+
     def copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: Any) -> None:
         """Copy each uint8 ``srcs[i]`` into ``dsts[i]`` on ``stream`` (queued, not waited),
         as one batched launch where torch has it."""
         with torch.cuda.stream(stream):
-            if len(dsts) > 1 and _FOREACH_COPY is not None:
+            # Many small tensors: one launch for all; large ones copy at full speed alone.
+            if len(dsts) > 1 and _FOREACH_COPY is not None and sum(
+                    d.numel() for d in dsts) <= len(dsts) * _FOREACH_MAX:
                 _FOREACH_COPY(dsts, srcs, non_blocking=True)
             else:
                 for dst, src in zip(dsts, srcs, strict=True):
@@ -176,6 +184,8 @@ class DeviceOps:
 
 
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
+#: Mean bytes per tensor up to which a list of copies goes as one batched launch.
+_FOREACH_MAX = 1 << 20
 
 #: The real device layer.
 CUDA = DeviceOps()

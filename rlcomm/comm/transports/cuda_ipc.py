@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports import registry
-from rlcomm.comm.transports.base import OneSidedTransport, map_error
+from rlcomm.comm.transports.base import OneSidedTransport, as_timedelta, map_error
 from rlcomm.comm.transports.cuda_device import CUDA, DeviceOps, Share
 from rlcomm.comm.transports.shm_signals import credentials_ok, seqpacket
 from rlcomm.errors import (
@@ -232,7 +232,7 @@ def connect_link(
             finally:
                 server.close()
         else:
-            store.wait(["ipc/addr"])
+            store.wait(["ipc/addr"], as_timedelta(max(0.01, deadline - time.monotonic())))
             name = store.get("ipc/addr").decode()
             if not name.startswith("\0rlcomm-ipc-"):
                 raise AuthenticationError(f"cuda_ipc set-up with {peer}: unexpected socket name {name!r}")
@@ -533,6 +533,9 @@ class CudaIpcTransport(OneSidedTransport):
                 ops.wait_event(self._send_stream, self._peer_done)
                 ops.copy([area[o : o + n] for o, n in zip(offsets, sizes)], pieces,
                          self._send_stream)
+                # The caller may free its tensors once this returns: their memory is not
+                # handed out again before the copy out of them is done.
+                ops.keep_until_done(pieces, self._send_stream)
                 base = slot * self._slot_bytes
                 shares = [self._staging.share]  # type: ignore[union-attr]
                 spots = [(0, base + o, n) for o, n in zip(offsets, sizes)]
@@ -615,12 +618,15 @@ class CudaIpcTransport(OneSidedTransport):
         entry[1] = seq
         return entry[0]
 
-    def _close_stale(self, seq: int) -> None:
-        """Close the lent allocations the latest message did not use: the sender's
-        freed memory is then its own again."""
+    def _close_stale(self, offer: Offer) -> list:
+        """After a lent message: take out the lent allocations it did not use (the
+        sender's freed memory is then its own again); returns them, for the caller to
+        drop without the lock (closing one waits for this process's stream)."""
+        if offer.staged:
+            return []
+        seq = offer.seq
         stale = [k for k, (_, last, staged) in self._opened.items() if last < seq and not staged]
-        for key in stale:
-            del self._opened[key]
+        return [self._opened.pop(key) for key in stale]
 
     def accept(
         self, offer: bytes, sizes: Sequence[int], into: Sequence[torch.Tensor] | None,
@@ -658,8 +664,9 @@ class CudaIpcTransport(OneSidedTransport):
                 self._ack(got.seq, f"the receiver could not read the sender's GPU memory: {exc}")
                 raise CommError(f"{what}: reading the sender's GPU memory failed: {exc}") from exc
             self._ack(got.seq, "")
-            self._close_stale(got.seq)
-            return buffers
+            stale = self._close_stale(got)
+        del stale  # closed here, without the lock
+        return buffers
 
     def current_order(self, device: torch.device | None) -> object:
         return self._ops.current_stream(device or self._device)
@@ -734,12 +741,14 @@ class CudaIpcTransport(OneSidedTransport):
                     self._ops.collect()
             finally:
                 self._send_lock.release()
+        opened: dict = {}
         if self._recv_lock.acquire(blocking=False):
             try:
                 if self._opened and now - self._last_recv >= after:
-                    self._opened.clear()
+                    opened, self._opened = self._opened, {}
             finally:
                 self._recv_lock.release()
+        opened.clear()  # closed without the lock
 
     def close(self, lost: bool = False) -> None:
         if self._closed:
@@ -761,7 +770,8 @@ class CudaIpcTransport(OneSidedTransport):
             self._staging = None
             self._in_flight.clear()
         with self._recv_lock:
-            self._opened.clear()
+            opened, self._opened = self._opened, {}
+        opened.clear()
         self._sock.close()
         try:
             self._ops.collect()
