@@ -480,7 +480,8 @@ def test_the_first_cuda_message_brings_its_offer_behind_its_frame(linked):
     assert torch.equal(_received(b)[0], torch.ones(8))
 
 
-def test_two_workers_that_both_send_lent_payloads_first_both_go_on(linked):
+@pytest.mark.parametrize("first", [False, True], ids=["offers in frames", "first messages"])
+def test_two_workers_that_both_send_lent_payloads_first_both_go_on(linked, first):
     a, b, _ = linked
     to_b, to_a = [torch.randn(4096)], [torch.randn(8192)]
     errors: list[BaseException] = []
@@ -488,7 +489,7 @@ def test_two_workers_that_both_send_lent_payloads_first_both_go_on(linked):
 
     def send_then_receive(conn, tensors, name):
         try:
-            _send_device(conn, tensors)
+            _send_device(conn, tensors, behind=first)
             got[name] = _received(conn)[0]
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             errors.append(exc)

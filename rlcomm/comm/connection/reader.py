@@ -34,6 +34,7 @@ from rlcomm.comm import codec, framing
 from rlcomm.comm.connection.inbox import Inbox
 from rlcomm.comm.connection.incoming import Incoming, read_message
 from rlcomm.comm.connection.listening import Listener
+from rlcomm.comm.options import default_timeout
 from rlcomm.comm.transports.base import OneSidedTransport, Transport, is_pollable
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
 
@@ -274,6 +275,32 @@ class Reader:
         device = buffers[0].device if buffers else device
         return _fill(targets, framing.tensors_from_payload(header, buffers, device))
 
+    def _claim_trailing_offer(self) -> None:
+        """The pair's first CUDA message stalls the stream, its offer in the frame right
+        behind it: read that offer now, when it is there, so that the message is taken
+        in like the others (holding ``cond``)."""
+        if self.state is not ReaderState.STALLED or not self.pollable or not self.inbox:
+            return
+        msg = list(self.inbox)[-1]
+        transport = self.transport
+        if not (msg.deferred and msg.on_device and msg.tensors is None) or transport is None:
+            return
+        if not isinstance(self._cuda_transport(None, 0.0), OneSidedTransport):
+            return
+        try:
+            if not transport.poll(0):
+                return
+            self.state = ReaderState.CLAIMANT
+            msg.offer = transport.recv_frame(default_timeout())
+            msg.deferred = False
+        except CommError as exc:
+            # Not fail(): it closes the CUDA transport, whose send lock this thread may
+            # hold (a waiting send runs this); the stream is marked broken instead.
+            self.set_error(exc)
+        finally:
+            if self.state is ReaderState.CLAIMANT:
+                self.leave(None, by_caller=True)
+
     def take_in_offers(self) -> None:
         """Copy the offered CUDA payloads of queued messages into new tensors now,
         freeing what their sender holds for them (its staging slots, its lent tensors).
@@ -283,6 +310,7 @@ class Reader:
         up to the unread-bytes cap. A payload that cannot be copied now stays offered
         (its receive op raises the reason)."""
         with self.cond:
+            self._claim_trailing_offer()
             pending = [m for m in self.inbox if m.offer and m.tensors is None]
             for msg in pending:
                 if self.inbox.full or self.error is not None:
