@@ -285,10 +285,11 @@ class OneSidedTransport(ABC):
         self, outgoing: Outgoing, order: object, deadline: float | None,
         on_wait: Callable[[], None] | None = None, host: bool = False,
     ) -> None:
-        """Return once the sender may write the offered tensors again: at once for a
-        payload the transport copied, after the receiver's copy for one it reads from
-        the tensors themselves (``order`` is then ordered after that copy; ``host``:
-        the host waits for it to finish instead).
+        """Return once the sender may write the offered tensors again, in order on
+        ``order``: at once for a payload the transport copied (``order`` after that
+        copy), after the receiver's copy for one it reads from the tensors themselves
+        (``order`` after the receiver's copy). ``host``: the host waits for the copy
+        instead.
 
         Raises:
             CommTimeoutError: the receiver did not take it by ``deadline``.

@@ -582,7 +582,15 @@ class CudaIpcTransport(OneSidedTransport):
         self, outgoing: Sent, order: object, deadline: float | None,  # type: ignore[override]
         on_wait: Callable[[], None] | None = None, host: bool = False,
     ) -> None:
-        if not outgoing.lent or outgoing.seq < 0:
+        if outgoing.seq < 0:
+            return
+        if not outgoing.lent:
+            # The staging copy reads the caller's tensors: writes after this return are
+            # ordered after it (the host waits for it instead, for an async send).
+            if host:
+                self._ops.synchronize(self._ready)
+            else:
+                self._ops.wait_event(order, self._ready)
             return
         seq = outgoing.seq
         what = f"cuda_ipc send of message {seq} ({outgoing.nbytes} bytes, lent)"
