@@ -467,6 +467,16 @@ def test_offers_ride_in_frames_and_the_receive_op_copies_out(linked):
     assert dev_b.copies == 2 and dev_a.copies == 1 and a._cuda.stats()["acked"] == 2
 
 
+def test_staged_messages_to_a_worker_that_does_not_receive_yet_all_go(linked):
+    a, b, _ = linked
+    # Five times the 4 slots: each comes back as b's reader copies its message out,
+    # as a CPU payload is read without waiting for recv.
+    for i in range(20):
+        _send_device(a, [torch.full((16,), float(i))])
+    assert [int(_received(b)[0][0]) for _ in range(20)] == list(range(20))
+    assert a._cuda.stats()["acked"] == 20
+
+
 def test_the_first_cuda_message_brings_its_offer_behind_its_frame(linked):
     a, b, _ = linked
     payload = [torch.randn(4096)]

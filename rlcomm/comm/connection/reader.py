@@ -172,6 +172,13 @@ class Reader:
         None when the listener took it. A failure fails the connection."""
         try:
             msg = read_message(transport, self.peer, rest)
+            if msg.offer:
+                cuda = self._cuda_transport(None, 0.0)
+                if isinstance(cuda, OneSidedTransport) and cuda.copies_at_once(msg.offer):
+                    # A staged payload: copied out now, as a CPU payload is read now, so
+                    # that the sender's slot comes back without this worker's recv.
+                    self._take_in(msg, cuda)
+                    msg.nbytes += sum(t.numel() * t.element_size() for t in msg.tensors or ())
             if self.listener is not None:
                 self.listener.dispatch(self, transport, msg)
                 return None
@@ -240,7 +247,12 @@ class Reader:
             CommTimeoutError, PeerLostError: from the transports.
         """
         header = msg.header
-        if msg.tensors is not None:  # taken in already (take_in_offers)
+        if msg.tensors is not None:  # taken in already: order this stream after the copy
+            cuda = self._cuda_transport(None, timeout)
+            if isinstance(cuda, OneSidedTransport):
+                at = targets[0].device if targets and targets[0].is_cuda else (
+                    msg.tensors[0].device if msg.tensors else device)
+                cuda.order_after(cuda.current_order(at))
             return _fill(targets, msg.tensors)
         if targets and targets[0].is_cuda:
             device = targets[0].device
@@ -318,17 +330,21 @@ class Reader:
                 cuda = self._cuda_transport(None, 0.0)  # made: the peer offered over it
                 if not isinstance(cuda, OneSidedTransport):
                     return
-                header = msg.header
                 try:
-                    buffers = cuda.accept(msg.offer, [m.nbytes for m in header.tensors],
-                                          None, None, None)
+                    self._take_in(msg, cuda)
                 except CommError:
                     logger.debug("taking in an offer from %s failed", self.peer, exc_info=True)
                     return
-                device = buffers[0].device if buffers else None
-                msg.tensors = framing.tensors_from_payload(header, buffers, device)
-                msg.offer = b""
-                self.inbox.grew(msg, sum(b.numel() for b in buffers))
+                self.inbox.grew(msg, sum(t.numel() * t.element_size() for t in msg.tensors or ()))
+
+    def _take_in(self, msg: Incoming, cuda: OneSidedTransport) -> None:
+        """Copy ``msg``'s offered payload into new tensors (on the GPU it lies on); its
+        receive op orders its stream after the copy."""
+        header = msg.header
+        buffers = cuda.accept(msg.offer, [m.nbytes for m in header.tensors], None, None, None)
+        device = buffers[0].device if buffers else None
+        msg.tensors = framing.tensors_from_payload(header, buffers, device)
+        msg.offer = b""
 
     # -- the caller's fast path ------------------------------------------------------------------
 

@@ -304,7 +304,8 @@ class OneSidedTransport(ABC):
     ) -> list[torch.Tensor]:
         """Copy the payload of the received ``offer`` (tensors of ``sizes`` bytes) into
         ``into`` (contiguous tensors of those sizes), or into new uint8 tensors on
-        ``device`` (``None``: the GPU the payload lies on); returns the uint8 buffers.
+        ``device`` (``None``: the GPU the payload lies on); returns the uint8 buffers,
+        ordered on ``order`` (``None``: not yet; see :meth:`order_after`).
 
         Raises:
             ProtocolMismatchError: the offer does not match ``sizes``, or is out of order.
@@ -314,6 +315,16 @@ class OneSidedTransport(ABC):
     @abstractmethod
     def current_order(self, device: torch.device | None) -> object:
         """The calling thread's current stream on ``device`` (``None``: this end's)."""
+
+    @abstractmethod
+    def order_after(self, order: object) -> None:
+        """Order ``order`` (a stream) after every copy :meth:`accept` made so far (for
+        buffers accepted with ``order=None``)."""
+
+    def copies_at_once(self, offer: bytes) -> bool:
+        """Whether the receiver should copy ``offer``'s payload out as soon as it reads
+        it, before any receive op asks (its sender needs the memory back soon)."""
+        return False
 
     @abstractmethod
     def refuse(self, offer: bytes, reason: str) -> None:

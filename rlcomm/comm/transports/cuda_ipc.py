@@ -679,6 +679,13 @@ class CudaIpcTransport(OneSidedTransport):
     def current_order(self, device: torch.device | None) -> object:
         return self._ops.current_stream(device or self._device)
 
+    def order_after(self, order: object) -> None:
+        self._ops.wait_stream(order, self._recv_stream)
+
+    def copies_at_once(self, offer: bytes) -> bool:
+        # A staged payload holds one of the sender's slots until it is copied out.
+        return decode_offer(offer, self._peer).staged
+
     def refuse(self, offer: bytes, reason: str) -> None:
         """Turn the received ``offer`` down (the receiver cannot take it: ``reason``),
         telling the sender, whose send then raises that reason."""
@@ -714,9 +721,9 @@ class CudaIpcTransport(OneSidedTransport):
             dsts = [block[o : o + n] for o, (_, _, n) in zip(offsets, offer.pieces)]
             ops.copy(dsts, srcs, stream)
         ops.record(self._done, stream)
-        if order is None:  # no caller's stream to order: the host waits for the copies
-            ops.synchronize(self._done)
-        else:
+        if into is None:  # new memory, used on this stream: not handed out again before
+            ops.keep_until_done([block], stream)
+        if order is not None:  # else the caller orders its stream later (order_after)
             ops.wait_event(order, self._done)
         return dsts
 
