@@ -28,8 +28,9 @@ events' handles. After that, one message:
 2. The receiver, holding the frame, opens the memory (once per allocation; an opened
    allocation is kept while the sender's messages use it), makes its receive stream
    wait on *ready*, copies into the caller's tensors or new ones (a staged payload in
-   one copy), records *done*, orders the caller's stream after it and sends the ack: the
-   message's sequence number, and why it refused it if it did.
+   one copy, as soon as its frame is read; a lent one when a receive op takes it),
+   records *done*, orders the caller's stream after it and sends the ack: the message's
+   sequence number, and why it refused it if it did.
 
 One event per end and role is enough because each is always recorded on the same
 stream: waiting on a later record of it also waits for every earlier one.
