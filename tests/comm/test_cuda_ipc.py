@@ -485,7 +485,7 @@ def test_the_first_cuda_message_brings_its_offer_behind_its_frame(linked):
     (got,) = _received(b)
     sender.join(timeout=10)
     assert torch.equal(got, payload[0])
-    assert b.reader.state.value == "idle"  # the stream stalled on it, and went on
+    assert b.reader.lease.value == "idle"  # the stream stalled on it, and went on
     _send_device(a, [torch.ones(8)])  # later ones: in the frame
     assert torch.equal(_received(b)[0], torch.ones(8))
 

@@ -105,9 +105,6 @@ class Connection:
         self.sender.transport = transport
         start_receiver_thread(self.reader)
         self._ready.set()
-        with self.reader.cond:
-            if self.reader.selector is not None:
-                self.reader.selector.wake()
 
     def fail(self, error: CommError) -> None:
         if not self.reader.set_error(error):
