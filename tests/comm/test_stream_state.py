@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
-from rlcomm.comm.connection.incoming import Incoming
+from rlcomm.comm.connection.incoming import Incoming, Payload, classify
 from rlcomm.comm.connection.stream import (
     LINGER,
     DriverTurn,
@@ -15,15 +15,15 @@ from rlcomm.comm.connection.stream import (
     Turn,
     Wakes,
 )
-from rlcomm.errors import CommError, PeerLostError
+from rlcomm.errors import CommError, PeerLostError, ProtocolMismatchError
 
 FAR = 1e9  # a deadline that never comes
 
 
 def _msg(nbytes: int = 10, deferred: bool = False) -> Incoming:
     header = MessageHeader(Kind.TENSOR, [TensorMeta("uint8", (nbytes,), "cpu")])
-    msg = Incoming(header, b"")
-    msg.nbytes, msg.deferred = nbytes, deferred
+    msg = Incoming(header, b"", payload=Payload.IN_STREAM if deferred else Payload.READ)
+    msg.nbytes = nbytes
     return msg
 
 
@@ -261,3 +261,44 @@ def test_the_first_error_stays_and_repr_shows_the_state():
     state.inbox.put(_msg(7))
     text = repr(state)
     assert "idle" in text and "failed" in text and "inbox=1/7B" in text
+
+
+# -- a message's kind, decided once ---------------------------------------------------------------
+
+
+def _header(kind=Kind.TENSOR, device="cpu", nbytes=40, inline=0) -> MessageHeader:
+    return MessageHeader(kind, [TensorMeta("uint8", (nbytes,), device)], inline=inline)
+
+
+@pytest.mark.parametrize(
+    ("header", "inline", "offer", "payload", "device"),
+    [
+        (_header(nbytes=4, inline=4), b"abcd", b"", Payload.INLINE, False),
+        (MessageHeader(Kind.TENSOR_LIST, []), b"", b"", Payload.INLINE, False),
+        (_header(), b"", b"", Payload.READ, False),  # a CPU payload follows: read now
+        (_header(Kind.RAW), b"", b"", Payload.IN_STREAM, False),  # send_tensor: for its op
+        (_header(device="cuda"), b"", b"", Payload.IN_STREAM, True),  # NCCL, or an offer behind
+        (_header(Kind.RAW, "cuda"), b"", b"\x93offer", Payload.OFFERED, True),
+    ],
+)
+def test_where_a_received_payload_is(header, inline, offer, payload, device):
+    msg = classify(header, inline, offer, "peer:0")
+    assert (msg.payload, msg.device) == (payload, device)
+    assert msg.deferred == (payload is Payload.IN_STREAM)
+    assert msg.nbytes == len(inline) + len(offer)
+
+
+@pytest.mark.parametrize(
+    ("header", "inline", "offer", "text"),
+    [
+        (_header(nbytes=1 << 40), b"", b"", "over this worker's limit"),
+        (_header(), b"", b"\x93offer", "device offer but no CUDA tensors"),
+        (_header(nbytes=4, inline=4), b"abc", b"", "carries 4 inline"),
+        (_header(nbytes=4, inline=3), b"abc", b"", "declares 4 bytes"),
+    ],
+)
+def test_a_message_that_does_not_check_out_is_refused_before_anything_is_allocated(
+    header, inline, offer, text
+):
+    with pytest.raises(ProtocolMismatchError, match=text):
+        classify(header, inline, offer, "peer:0")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import Kind, MessageHeader
-from rlcomm.comm.connection.incoming import Incoming
+from rlcomm.comm.connection.incoming import Incoming, Payload
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.reader import Reader
 from rlcomm.comm.connection.receiver import start_receiver_thread
@@ -279,9 +279,9 @@ class Connection:
         timeout: float, what: str,
     ) -> list[torch.Tensor]:
         """The tensors of ``msg`` taken by a receive op (into ``targets`` if given)."""
-        if msg.on_device:
+        if msg.device:
             return self.reader.device_payload(msg, targets, device, timeout, what)
-        if msg.deferred:  # a send_tensor CPU payload: straight into its destination
+        if msg.payload is Payload.IN_STREAM:  # a send_tensor CPU payload: into its place
             direct = targets is not None and all(
                 t.is_contiguous() and not t.is_cuda for t in targets)
             buffers = targets if direct else [
@@ -320,7 +320,7 @@ class Connection:
             return True, msg
 
         msg = self.reader.receive(ticket, timeout, handle, "recv_tensor")
-        if msg.on_device or msg.deferred:
+        if msg.device or msg.payload is Payload.IN_STREAM:
             self._payload(msg, [tensor], None, timeout, "recv_tensor")
         else:
             framing.copy_inline_into(tensor, msg.inline)

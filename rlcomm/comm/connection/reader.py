@@ -34,7 +34,7 @@ import torch
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import Incoming, read_message
+from rlcomm.comm.connection.incoming import Incoming, Payload, read_message
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.stream import LINGER, DriverTurn, Lease, StreamState, Turn, Wakes
 from rlcomm.comm.options import default_timeout
@@ -205,7 +205,7 @@ class Reader:
         None when the listener took it. A failure fails the connection."""
         try:
             msg = read_message(transport, self.peer, rest)
-            if msg.offer:
+            if msg.payload is Payload.OFFERED:
                 cuda = self._cuda_transport(None, 0.0)
                 if isinstance(cuda, OneSidedTransport) and cuda.copies_at_once(msg.offer):
                     # A staged payload: copied out now, as a CPU payload is read now, so
@@ -227,10 +227,10 @@ class Reader:
     def _complete(self, msg: Incoming, transport: Transport) -> None:
         """Read a listened message's payload now (this thread holds the stream): on CPU,
         or this thread's CUDA device."""
-        if msg.on_device:
+        if msg.device:
             msg.tensors = self.device_payload(
                 msg, None, None, default_timeout(), "listen", transport=transport)
-        elif msg.deferred:
+        elif msg.payload is Payload.IN_STREAM:
             msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
             self.read_payload(transport, msg.tensors, default_timeout())
 
@@ -269,7 +269,7 @@ class Reader:
             CommTimeoutError, PeerLostError: from the transports.
         """
         header = msg.header
-        if msg.tensors is not None:  # taken in already: order this stream after the copy
+        if msg.payload is Payload.TAKEN:  # copied out already: order this stream after it
             cuda = self._cuda_transport(None, timeout)
             if isinstance(cuda, OneSidedTransport):
                 at = targets[0].device if targets and targets[0].is_cuda else (
@@ -282,7 +282,7 @@ class Reader:
         cuda = self._cuda_transport(None, timeout) or self._cuda_transport(
             device or torch.device("cuda", torch.cuda.current_device()), timeout)
         offer = msg.offer
-        if not offer:  # deferred: the payload (NCCL) or its offer follows in the stream
+        if msg.payload is Payload.IN_STREAM:  # the payload (NCCL) or its offer follows
             if not isinstance(cuda, OneSidedTransport):
                 device = device or torch.device("cuda", torch.cuda.current_device())
                 buffers = targets if direct else [codec.empty_like_meta(m, device) for m in header.tensors]
@@ -318,7 +318,7 @@ class Reader:
             return
         msg = list(state.inbox)[-1]
         transport = self.transport
-        if not (msg.deferred and msg.on_device and msg.tensors is None) or transport is None:
+        if not (msg.deferred and msg.device) or transport is None:
             return
         if not isinstance(self._cuda_transport(None, 0.0), OneSidedTransport):
             return
@@ -326,8 +326,7 @@ class Reader:
             if not transport.poll(0):
                 return
             state.claim_stall()
-            msg.offer = transport.recv_frame(default_timeout())
-            msg.deferred = False
+            msg.offered(transport.recv_frame(default_timeout()))
         except CommError as exc:
             # Not fail(): it closes the CUDA transport, whose send lock this thread may
             # hold (a waiting send runs this); the stream is marked broken instead.
@@ -347,7 +346,7 @@ class Reader:
         with self._cond:
             self._claim_trailing_offer()
             inbox = self._state.inbox
-            pending = [m for m in inbox if m.offer and m.tensors is None]
+            pending = [m for m in inbox if m.payload is Payload.OFFERED]
             for msg in pending:
                 if inbox.full or self.error is not None:
                     return
@@ -367,8 +366,7 @@ class Reader:
         header = msg.header
         buffers = cuda.accept(msg.offer, [m.nbytes for m in header.tensors], None, None, None)
         device = buffers[0].device if buffers else None
-        msg.tensors = framing.tensors_from_payload(header, buffers, device)
-        msg.offer = b""
+        msg.taken(framing.tensors_from_payload(header, buffers, device))
 
     # -- the driver (the receiver thread, a selector) ---------------------------------------
 
