@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlcomm.comm import codec
-from rlcomm.comm.connection import Lease
+from rlcomm.comm.connection import Connection, Lease, Life
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.errors import PeerLostError
 from tests.comm.pairs import connection_pair, receive, send, send_past_the_ring, two_stores
@@ -147,3 +147,17 @@ def test_a_lost_peer_reaches_the_listener_and_ends_the_pump(conns):
     threading.Timer(0.2, a.close).start()
     assert b.pump(fut, 20, lambda: False)
     assert isinstance(errors[0], PeerLostError) and len(errors) == 1
+
+
+def test_a_connection_says_where_it_is_in_its_life():
+    a, b = connection_pair(two_stores(), "life")
+    pending = Connection("nobody")
+    assert pending.life is Life.PENDING
+    assert a.life is Life.ATTACHED and b.life is Life.ATTACHED
+    a.close()
+    assert a.life is Life.CLOSED
+    _wait_for(lambda: b.life is Life.FAILED)  # its reader saw the peer's end close
+    assert isinstance(b.error, PeerLostError)
+    b.close()
+    pending.fail(PeerLostError("gone"))
+    assert pending.life is Life.FAILED
