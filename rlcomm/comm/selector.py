@@ -30,7 +30,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from rlcomm.comm.connection.reader import LINGER, Reader, ReaderState, drain
+from rlcomm.comm.connection.reader import LINGER, Reader, drain
 from rlcomm.comm.transports.base import PollableTransport, Waiter
 
 if TYPE_CHECKING:
@@ -169,63 +169,20 @@ class Selector:
 
 
 def select_by(reader: Reader, selector: Selector) -> None:
-    """Let ``selector`` drive ``reader`` instead of its receiver thread (it keeps to
-    that once the transport is known to be pollable; else it lets go)."""
-    with reader.cond:
-        reader.selector = selector
-        if reader.state is ReaderState.DRIVER:
-            reader.poke(b"s")  # out of its poll: the receiver thread leaves the stream
-    selector.wake()
+    """Let ``selector`` drive ``reader`` instead of its receiver thread."""
+    reader.select_by(selector)
 
 
 def claim(reader: Reader, selector: Selector) -> PollableTransport | bool:
-    """Take the stream for ``selector`` if it may read now: the transport when taken;
-    False when not now (try again within :data:`LINGER`); True when the selector is
-    done with ``reader`` (it failed, or its transport cannot be polled)."""
-    with reader.cond:
-        transport = reader.transport
-        if reader.selector is not selector:
-            return True
-        if reader.error is not None:
-            reader.selector = None
-            reader.close_wake_pipe()  # its receiver thread left it to the selector
-            return True
-        if transport is None:
-            return False
-        if not reader.pollable:  # its receiver thread reads it
-            reader.selector = None
-            reader.driver_wake.notify()
-            return True
-        if not reader.driver_may_read():
-            return False
-        reader.state = ReaderState.DRIVER
-        return transport
+    """Take the stream for ``selector`` (see :meth:`.Reader.selector_take`)."""
+    return reader.selector_take(selector)
 
 
 def serve(reader: Reader, transport: PollableTransport, has_data: bool) -> bool:
-    """The selector, holding the stream: read the next message if ``has_data``, then
-    leave the stream if the message goes to the inbox or somebody else wants it.
-    Returns whether it left."""
-    msg = reader.read_one(transport) if has_data else None
-    with reader.cond:
-        # A dispatched message leaves nothing to hand over: keep the stream unless it
-        # is wanted (the selector empties the wake pipes when woken).
-        if msg is None and not reader.wanting and reader.error is None and (
-            reader.selector is not None
-        ):
-            return False
-        reader.leave(msg, by_caller=False)
-        return True
+    """Read and hand over one message (see :meth:`.Reader.selector_serve`)."""
+    return reader.selector_serve(transport, has_data)
 
 
 def release(reader: Reader, selector: Selector, holding: bool) -> None:
-    """``selector`` (``holding`` the stream or not) ends: the receiver thread reads
-    ``reader`` again."""
-    with reader.cond:
-        if reader.selector is selector:
-            reader.selector = None
-            if holding:
-                reader.leave(None, by_caller=False)
-            if reader.error is not None:
-                reader.close_wake_pipe()
-            reader.driver_wake.notify()
+    """``selector`` ends: the receiver thread reads ``reader`` again."""
+    reader.selector_release(selector, holding)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlcomm.comm import codec
+from rlcomm.comm.connection import Connection, Lease, Life
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.errors import PeerLostError
 from tests.comm.pairs import connection_pair, receive, send, send_past_the_ring, two_stores
@@ -91,22 +92,35 @@ def test_a_pump_dispatches_its_own_reply_on_its_thread(conns):
     with pytest.raises(RuntimeError, match="listened"):
         b.recv_object(b.take_ticket(), 1, None)
     me = threading.get_ident()
+
+    def reply_once_pumping(i: int) -> None:
+        # The reply leaves once the pump holds the stream (the receiver thread, if it
+        # held it, has left it to the pump): the pump must read it itself.
+        _wait_for(lambda: b.reader.lease is Lease.CALLER)
+        send(a, i)
+
     for i in range(50):
         fut = waiting[i] = concurrent.futures.Future()
-        send(a, i)
+        replier = threading.Thread(target=reply_once_pumping, args=(i,))
+        replier.start()
         assert b.pump(fut, 10, lambda: False)
+        replier.join(timeout=10)
         assert fut.result(0) == i
     assert [obj for obj, _ in seen] == list(range(50))
-    # Replies are read on the pumping thread (no hand-off); only the first ones may be
-    # read by the receiver thread, which held the stream when the pumping began.
-    assert sum(ident == me for _, ident in seen) >= 40
+    # Every reply was read on the pumping thread: no hand-off.
+    assert all(ident == me for _, ident in seen)
     # With no pump running, the receiver thread dispatches.
-    time.sleep(0.05)
     send(a, "background")
-    deadline = time.monotonic() + 10
-    while len(seen) < 51 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_for(lambda: len(seen) == 51)
     assert seen[-1][0] == "background" and seen[-1][1] != me
+
+
+def _wait_for(cond, timeout: float = 10) -> None:
+    """Until ``cond()`` holds (observable state), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the state did not come about in time"
+        time.sleep(0.0005)
 
 
 def test_a_pump_ends_when_its_future_is_done_elsewhere(conns):
@@ -133,3 +147,17 @@ def test_a_lost_peer_reaches_the_listener_and_ends_the_pump(conns):
     threading.Timer(0.2, a.close).start()
     assert b.pump(fut, 20, lambda: False)
     assert isinstance(errors[0], PeerLostError) and len(errors) == 1
+
+
+def test_a_connection_says_where_it_is_in_its_life():
+    a, b = connection_pair(two_stores(), "life")
+    pending = Connection("nobody")
+    assert pending.life is Life.PENDING
+    assert a.life is Life.ATTACHED and b.life is Life.ATTACHED
+    a.close()
+    assert a.life is Life.CLOSED
+    _wait_for(lambda: b.life is Life.FAILED)  # its reader saw the peer's end close
+    assert isinstance(b.error, PeerLostError)
+    b.close()
+    pending.fail(PeerLostError("gone"))
+    assert pending.life is Life.FAILED

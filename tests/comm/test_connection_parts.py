@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlcomm.comm import codec, framing
-from rlcomm.comm.connection import Inbox, Incoming, Reader, ReaderState
+from rlcomm.comm.connection import Inbox, Incoming, Lease, Reader
 from rlcomm.comm.connection.incoming import read_message
 from rlcomm.comm.connection.receiver import start_receiver_thread
 from rlcomm.comm.connection.sender import Sender
@@ -114,11 +114,11 @@ def _receive(reader: Reader, timeout: float = 10):
 def test_a_receive_op_reads_its_own_message_without_a_driver(ends):
     a, b = ends
     reader, failures = _reader(b)
-    assert reader.pollable and reader.state is ReaderState.IDLE
+    assert reader.pollable and reader.lease is Lease.IDLE
     for i in range(50):  # no receiver thread: the caller's fast path reads every one
         _send(a, i)
         assert _receive(reader) == i
-    assert reader.state is ReaderState.IDLE and not failures
+    assert reader.lease is Lease.IDLE and not failures
     with pytest.raises(CommTimeoutError):
         _receive(reader, timeout=0.2)
 
@@ -131,11 +131,11 @@ def test_a_stalled_payload_waits_for_the_receive_op_that_takes_it(ends):
     frame, payload = framing.pack(header, tensors)
     a.send_frame(frame, payload, 10)
     msg = reader.receive(reader.take_ticket(), 10, lambda m: (True, m), "recv_tensor")
-    assert msg.deferred and reader.state is ReaderState.STALLED
+    assert msg.deferred and reader.lease is Lease.STALLED
     dst = torch.empty_like(src)
     buffers = [codec.as_bytes(dst)]
     reader.read_deferred(msg, lambda t: reader.read_payload(t, buffers, 10), 10, "recv_tensor")
-    assert reader.state is ReaderState.IDLE and torch.equal(dst, src)
+    assert reader.lease is Lease.IDLE and torch.equal(dst, src)
 
 
 def test_the_receiver_thread_stops_reading_at_the_inbox_cap(ends):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import logging
 import threading
 from collections.abc import Callable
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import Kind, MessageHeader
-from rlcomm.comm.connection.incoming import Incoming
+from rlcomm.comm.connection.incoming import Incoming, Payload
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.reader import Reader
 from rlcomm.comm.connection.receiver import start_receiver_thread
@@ -46,12 +47,22 @@ from rlcomm.errors import (
 logger = logging.getLogger(__name__)
 
 
+class Life(enum.Enum):
+    """Where a connection is in its life (``Connection.life``)."""
+
+    PENDING = "pending"  # made; the rendezvous with the peer has not given a transport yet
+    ATTACHED = "attached"  # its transport is connected: messages flow
+    FAILED = "failed"  # it broke (its error is every later op's)
+    CLOSED = "closed"  # closed by this side
+
+
 class Connection:
     """The two-way message stream with one peer, over a connected transport.
 
-    Created pending by the manager; :meth:`attach` hands it the connected transport
-    (after the rendezvous) and starts its receiver thread; :meth:`fail` ends it with an
-    error every waiting and later op raises.
+    Created ``PENDING`` by the manager; :meth:`attach` hands it the connected transport
+    (after the rendezvous) and starts its receiver thread (``ATTACHED``); :meth:`fail`
+    ends it with an error every waiting and later op raises (``FAILED``), :meth:`close`
+    closes it (``CLOSED``). :attr:`life` says which.
 
     Args:
         peer: the peer's address, for messages.
@@ -61,7 +72,8 @@ class Connection:
     def __init__(self, peer: str, on_lost: Callable[[Connection], None] | None = None):
         self.peer = peer
         self._on_lost = on_lost
-        self._ready = threading.Event()
+        self.life = Life.PENDING
+        self._ready = threading.Event()  # set once it leaves PENDING
         self._transport: Transport | None = None
         self._store: dist.Store | None = None
         self._rank = 0
@@ -104,14 +116,15 @@ class Connection:
         self.reader.attach(transport)
         self.sender.transport = transport
         start_receiver_thread(self.reader)
+        if self.life is Life.PENDING:
+            self.life = Life.ATTACHED
         self._ready.set()
-        with self.reader.cond:
-            if self.reader.selector is not None:
-                self.reader.selector.wake()
 
     def fail(self, error: CommError) -> None:
         if not self.reader.set_error(error):
             return
+        if self.life is not Life.CLOSED:
+            self.life = Life.FAILED
         self._ready.set()
         listener = self.reader.listener
         if listener is not None:
@@ -154,6 +167,7 @@ class Connection:
         return self._transport  # type: ignore[return-value]
 
     def close(self) -> None:
+        self.life = Life.CLOSED
         self.fail(PeerLostError(f"the connection with {self.peer} was closed"))
         self.sender.close()
         if self._consumer is not None:
@@ -282,9 +296,9 @@ class Connection:
         timeout: float, what: str,
     ) -> list[torch.Tensor]:
         """The tensors of ``msg`` taken by a receive op (into ``targets`` if given)."""
-        if msg.on_device:
+        if msg.device:
             return self.reader.device_payload(msg, targets, device, timeout, what)
-        if msg.deferred:  # a send_tensor CPU payload: straight into its destination
+        if msg.payload is Payload.IN_STREAM:  # a send_tensor CPU payload: into its place
             direct = targets is not None and all(
                 t.is_contiguous() and not t.is_cuda for t in targets)
             buffers = targets if direct else [
@@ -323,7 +337,7 @@ class Connection:
             return True, msg
 
         msg = self.reader.receive(ticket, timeout, handle, "recv_tensor")
-        if msg.on_device or msg.deferred:
+        if msg.device or msg.payload is Payload.IN_STREAM:
             self._payload(msg, [tensor], None, timeout, "recv_tensor")
         else:
             framing.copy_inline_into(tensor, msg.inline)

@@ -1,8 +1,10 @@
 """A received message, and reading one off a transport with the checks that come before
 anything is allocated: the declared size against :func:`max_message_bytes`, inline
-bytes against the declared sizes."""
+bytes against the declared sizes (:func:`classify`, which broadcasts use too)."""
 
 from __future__ import annotations
+
+import enum
 
 import torch
 
@@ -13,8 +15,18 @@ from rlcomm.comm.transports.base import Transport
 from rlcomm.errors import ProtocolMismatchError
 
 
+class Payload(enum.Enum):
+    """Where a received message's payload is, decided once, when its header is read."""
+
+    INLINE = "inline"  # none, or in the frame: its tensors are made from the frame
+    READ = "read"  # a CPU payload read into new tensors right after the frame
+    IN_STREAM = "in_stream"  # it follows in the stream, for the receive op that takes it
+    OFFERED = "offered"  # a device payload the sender offers (in the frame)
+    TAKEN = "taken"  # an offered payload copied out already, into new tensors
+
+
 class Incoming:
-    """A received message; a deferred one still has its payload in the stream.
+    """A received message, and where its payload is (:class:`Payload`).
 
     Args:
         header: the message's header.
@@ -24,66 +36,94 @@ class Incoming:
             :meth:`~.reader.Reader.take_in_offers`, copies it out.
     """
 
-    __slots__ = ("deferred", "header", "inline", "nbytes", "offer", "tensors")
+    __slots__ = ("device", "header", "inline", "nbytes", "offer", "payload", "tensors")
 
-    def __init__(self, header: MessageHeader, inline: bytes, offer: bytes = b""):
+    def __init__(self, header: MessageHeader, inline: bytes, offer: bytes = b"",
+                 payload: Payload = Payload.INLINE, device: bool = False):
         self.header = header
         self.inline = inline
         self.offer = offer
+        self.payload = payload
+        self.device = device  # its payload is CUDA tensors
         self.tensors: list[torch.Tensor] | None = None
-        self.deferred = False
         self.nbytes = len(inline) + len(offer)  # what it holds in memory while unread
+
+    @property
+    def deferred(self) -> bool:
+        """Whether its payload follows it in the stream (the stream stalls on it)."""
+        return self.payload is Payload.IN_STREAM
 
     @property
     def on_device(self) -> bool:
         """Whether its payload is CUDA tensors."""
-        metas = self.header.tensors
-        return bool(metas) and not self.header.inline and metas[0].device == "cuda"
+        return self.device
+
+    def offered(self, offer: bytes) -> None:
+        """The offer that followed this message in the stream was read."""
+        self.offer, self.payload = offer, Payload.OFFERED
+
+    def taken(self, tensors: list[torch.Tensor]) -> None:
+        """Its offered payload was copied into ``tensors``."""
+        self.tensors, self.offer, self.payload = tensors, b"", Payload.TAKEN
 
 
-def read_message(transport: Transport, peer: str, rest: float | None = None) -> Incoming:
-    """Read the next message from ``transport`` (a CPU payload into fresh tensors; a
-    ``send_tensor`` CPU payload, or a CUDA payload that follows in the stream, is left
-    there: the message is *deferred*; a CUDA payload offered in the frame stays offered).
-    Once the frame has begun, the rest must come within ``rest`` seconds (default: the
-    default op timeout).
+def classify(
+    header: MessageHeader, inline: bytes, offer: bytes, peer: str, what: str = "a message"
+) -> Incoming:
+    """A received message's header checked against this worker's limits and its frame,
+    before anything is allocated, and where its payload is: the one place a received
+    message's kind is decided (connections and broadcasts alike).
 
     Raises:
-        ProtocolMismatchError: the message is larger than this worker accepts, or its
-            frame does not match its header (the connection must be closed).
-        CommTimeoutError, PeerLostError: from the transport.
+        ProtocolMismatchError: it is larger than this worker accepts, or its frame does
+            not match its header.
     """
-    rest = default_timeout() if rest is None else max(rest, 0.001)
-    msg = Incoming(*framing.unpack(transport.recv_frame(None, rest)))
-    header = msg.header
     metas = header.tensors
-    sizes = [m.nbytes for m in metas]
-    total = sum(sizes)
+    total = sum(m.nbytes for m in metas)
     limit = max_message_bytes()
     if total > limit:
         raise ProtocolMismatchError(
-            f"a message from {peer} declares {total} bytes, over this worker's "
+            f"{what} from {peer} declares {total} bytes, over this worker's "
             f"limit of {limit} (RLCOMM_MAX_MESSAGE_BYTES); the connection is closed"
         )
-    if msg.offer and not msg.on_device:
+    device = bool(metas) and not header.inline and metas[0].device == "cuda"
+    if offer and not device:
         raise ProtocolMismatchError(
-            f"a message from {peer} carries a device offer but no CUDA tensors; the "
+            f"{what} from {peer} carries a device offer but no CUDA tensors; the "
             "connection is closed"
         )
+    msg = Incoming(header, inline, offer, device=device)
     if header.inline or not metas:
-        if header.inline != total or len(msg.inline) != total:
+        if header.inline != total or len(inline) != total:
             raise ProtocolMismatchError(
-                f"a message from {peer} declares {total} bytes but carries "
+                f"{what} from {peer} declares {total} bytes but carries "
                 f"{header.inline} inline; the connection is closed"
             )
         if header.kind != Kind.RAW:
-            msg.tensors = framing.split_inline(header, msg.inline)
-    elif msg.on_device:
-        msg.deferred = not msg.offer  # two-sided (NCCL): the payload follows in the stream
+            msg.tensors = framing.split_inline(header, inline)
+    elif device:
+        msg.payload = Payload.OFFERED if offer else Payload.IN_STREAM
     elif header.kind != Kind.RAW:
-        payload = transport.recv_new([n for n in sizes if n], rest)
-        msg.tensors = framing.tensors_from_payload(header, payload)
-        msg.nbytes += total
+        msg.payload = Payload.READ
     else:
-        msg.deferred = True
+        msg.payload = Payload.IN_STREAM
+    return msg
+
+
+def read_message(transport: Transport, peer: str, rest: float | None = None) -> Incoming:
+    """Read the next message from ``transport`` (see :func:`classify`; a CPU payload
+    that follows its frame is read into new tensors). Once the frame has begun, the rest
+    must come within ``rest`` seconds (default: the default op timeout).
+
+    Raises:
+        ProtocolMismatchError: from :func:`classify` (the connection must be closed).
+        CommTimeoutError, PeerLostError: from the transport.
+    """
+    rest = default_timeout() if rest is None else max(rest, 0.001)
+    msg = classify(*framing.unpack(transport.recv_frame(None, rest)), peer)
+    if msg.payload is Payload.READ:
+        sizes = [m.nbytes for m in msg.header.tensors if m.nbytes]
+        payload = transport.recv_new(sizes, rest)
+        msg.tensors = framing.tensors_from_payload(msg.header, payload)
+        msg.nbytes += sum(sizes)
     return msg

@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlcomm.comm import codec
 from rlcomm.comm.connection.incoming import Incoming
-from rlcomm.comm.options import default_timeout
-from rlcomm.comm.transports.base import Transport
 from rlcomm.errors import CodecError, CommError
-
-if TYPE_CHECKING:
-    from rlcomm.comm.connection.reader import Reader
 
 logger = logging.getLogger(__name__)
 
@@ -38,22 +33,16 @@ class Listener:
         self.on_message = on_message
         self.on_error = on_error
 
-    def dispatch(self, reader: Reader, transport: Transport, msg: Incoming) -> None:
-        """Complete ``msg`` and hand it to ``on_message`` (the reader's holder, no lock
-        held). A message that cannot be decoded is logged and dropped; a failing
-        ``on_message`` is logged and the stream goes on."""
-        if msg.on_device:  # copy it out now, to this thread's CUDA device
-            msg.tensors = reader.device_payload(
-                msg, None, None, default_timeout(), "listen", transport=transport)
-        elif msg.deferred:  # read it now
-            msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
-            reader.read_payload(transport, msg.tensors, default_timeout())
+    def deliver(self, peer: str, msg: Incoming) -> None:
+        """Decode ``msg`` (its payload read already) and hand it to ``on_message`` (on
+        the thread that read it, no lock held). A message that cannot be decoded is
+        logged and dropped; a failing ``on_message`` is logged and the stream goes on."""
         try:
             obj = codec.decode(msg.header, msg.tensors)
         except CodecError:
-            logger.exception("a message from %s cannot be decoded; dropped", reader.peer)
+            logger.exception("a message from %s cannot be decoded; dropped", peer)
             return
         try:
             self.on_message(obj)
         except Exception:  # noqa: BLE001 - the listener's failure must not end the stream
-            logger.exception("the listener of %s failed on a message", reader.peer)
+            logger.exception("the listener of %s failed on a message", peer)

@@ -1,47 +1,54 @@
-"""The reading part of a connection: who reads the stream, in explicit states.
+"""The reading part of a connection: the drivers of its :class:`~.stream.StreamState`.
 
-One thread at a time reads the next message; :class:`ReaderState` says who. By default
-the reader's *driver* reads: its receiver thread (:mod:`.receiver`) or a shared
-:class:`~rlcomm.comm.selector.Selector`, so a peer's send never waits for this worker to
-call ``recv``; messages go to the bounded :class:`~.inbox.Inbox` (while it is full, the
-driver stops reading). On a pollable transport a receive op that finds the inbox empty
-reads its own message (the fast path: no thread hop), waking the driver out of its poll
-through a pipe if needed; the driver reads again once no op read for :data:`LINGER` s.
+The read side's state (who reads the stream, the receive ops' turns, the bounded inbox,
+the listener) is :class:`~.stream.StreamState`, a pure state machine. :class:`Reader`
+holds it with the connection's lock and does its I/O: by default the reader's *driver*
+reads (its receiver thread, :mod:`.receiver`, or a shared
+:class:`~rlcomm.comm.selector.Selector`, through the driver methods below), so a peer's
+send never waits for this worker to call ``recv``; messages go to the inbox (while it is
+full, the driver stops reading). On a pollable transport a receive op that finds the
+inbox empty reads its own message (the fast path: no thread hop), waking the driver out
+of its poll through a pipe if needed.
 
 Once a frame has been read, the rest of its message must come within a deadline (the
 waiting op's, or :func:`default_timeout` for the driver): a sender stalled mid-message
 fails the connection. CPU payloads are read eagerly into fresh tensors; a ``send_tensor``
-or CUDA payload *stalls* the stream until the receive op that takes its message reads
-it. Receives are served in call order (a ticket per call). A *listened* reader hands
-every message to a callback instead (:mod:`.listening`); a thread waiting for a reply
-reads itself with :meth:`Reader.pump`. All state here is guarded by ``cond``.
+CPU payload, or a CUDA payload that follows its frame, *stalls* the stream until the
+receive op that takes its message reads it. A *listened* reader hands every message to
+a callback instead (:mod:`.listening`); a thread waiting for a reply reads itself with
+:meth:`Reader.pump`. The lock is held only around calls into the state machine and the
+inbox, never over I/O.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import enum
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import Incoming, read_message
+from rlcomm.comm.connection.incoming import Incoming, Payload, read_message
 from rlcomm.comm.connection.listening import Listener
+from rlcomm.comm.connection.stream import LINGER, DriverTurn, Lease, StreamState, Turn, Wakes
 from rlcomm.comm.options import default_timeout
-from rlcomm.comm.transports.base import OneSidedTransport, Transport, is_pollable
+from rlcomm.comm.transports.base import (
+    OneSidedTransport,
+    PollableTransport,
+    Transport,
+    is_pollable,
+)
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
 
 logger = logging.getLogger(__name__)
 
-#: Seconds the driver leaves the stream to receive ops after one of them read.
-LINGER = 0.005
+__all__ = ["LINGER", "Lease", "Reader", "drain"]
 
 T = TypeVar("T")
 
@@ -55,16 +62,6 @@ def _fill(targets: list[torch.Tensor] | None, tensors: list[torch.Tensor]) -> li
     return targets
 
 
-class ReaderState(enum.Enum):
-    """Who may read the stream now."""
-
-    IDLE = "idle"  # nobody: the next reader may take it
-    DRIVER = "driver"  # the receiver thread or the selector
-    CALLER = "caller"  # a receive op or a pump, reading its own message
-    STALLED = "stalled"  # a deferred payload is next; it waits for its receive op
-    CLAIMANT = "claimant"  # the receive op that took that message reads its payload
-
-
 def drain(fd: int) -> None:
     """Read a non-blocking wake-up pipe empty."""
     try:
@@ -74,8 +71,14 @@ def drain(fd: int) -> None:
         pass
 
 
+class Wakeable(Protocol):
+    """A driver that is woken to look at its streams again (a selector)."""
+
+    def wake(self) -> None: ...
+
+
 class Reader:
-    """Reads one connection's stream (see the module docstring).
+    """Drives one connection's :class:`~.stream.StreamState` (see the module docstring).
 
     Args:
         peer: the peer's address, for messages.
@@ -89,52 +92,79 @@ class Reader:
         peer: str,
         fail: Callable[[CommError], None],
         ready: Callable[[float], Transport],
-        cuda_transport: Callable[[torch.device, float], Transport],
+        cuda_transport: Callable[[torch.device | None, float], Any],
     ):
         self.peer = peer
         self.fail = fail
         self._ready = ready
         self._cuda_transport = cuda_transport
         lock = threading.RLock()
-        self.cond = threading.Condition(lock)
+        self._cond = threading.Condition(lock)
         # The receiver thread waits on its own condition (same lock), so that handing
         # messages to receive ops does not wake it each time.
-        self.driver_wake = threading.Condition(lock)
-        self.inbox = Inbox()
+        self._driver_wake = threading.Condition(lock)
+        self._state = StreamState(peer)
         self.transport: Transport | None = None
-        self.pollable = False
-        self.error: CommError | None = None
-        self.state = ReaderState.IDLE
-        self.wanting = 0  # receive ops waiting for the driver to leave the stream
-        self._last_read = 0.0  # when a receive op last left the stream
         self.listener: Listener | None = None
-        self._pumper: int | None = None  # the thread id of a pump() reading
-        self.selector: Any = None  # a Selector that drives instead of the receiver thread
-        self._next_ticket = 0
-        self._serving = 0
-        self._abandoned: set[int] = set()
+        self._selector: Wakeable | None = None
         self._wake_r, self._wake_w = os.pipe()  # wakes the reading thread out of poll
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
+    def __repr__(self) -> str:
+        return f"Reader({self._state!r})"
+
+    # -- what the state machine says -------------------------------------------------------
+
+    @property
+    def error(self) -> CommError | None:
+        return self._state.error
+
+    @property
+    def lease(self) -> Lease:
+        """Who may read the stream now."""
+        return self._state.lease
+
+    @property
+    def inbox(self) -> Inbox:
+        return self._state.inbox
+
+    @property
+    def pollable(self) -> bool:
+        return self._state.pollable
+
+    @property
+    def in_use(self) -> bool:
+        """Whether receive ops or messages have used this reader (it cannot be listened)."""
+        return self._state.in_use
+
+    def stats(self) -> dict[str, Any]:
+        """What a status report shows of the read side: the lease, unread messages and
+        bytes, whether it failed."""
+        with self._cond:
+            state = self._state
+            return {"lease": state.lease.value, "unread": len(state.inbox),
+                    "unread_bytes": state.inbox.unread, "failed": state.error is not None,
+                    "listened": state.listened, "selected": state.selected}
+
     # -- life cycle ----------------------------------------------------------------------------
 
     def attach(self, transport: Transport) -> None:
-        with self.cond:
+        with self._cond:
             self.transport = transport
-            self.pollable = is_pollable(transport)
+            self._state.attach(is_pollable(transport))
+            if self._selector is not None:
+                self._selector.wake()
 
     def set_error(self, error: CommError) -> bool:
         """Record the connection's error and wake every waiter. Returns False when it had
         one already (the first error stays)."""
-        with self.cond:
-            if self.error is not None:
+        with self._cond:
+            if not self._state.fail(error):
                 return False
-            self.error = error
             if self.transport is None:
-                self.close_wake_pipe()  # no driver will
-            self.cond.notify_all()
-            self.wake_driver()
+                self._close_wake_pipe()  # no driver will
+            self._apply(Wakes(True, True))
         return True
 
     @property
@@ -142,14 +172,17 @@ class Reader:
         """The read end of the wake pipe (a driver polls it beside the transport)."""
         return self._wake_r
 
-    def wake_driver(self) -> None:
-        """The stream may be free for the driver again: wake it (holding ``cond``)."""
-        self.driver_wake.notify()
-        if self.selector is not None:
-            self.selector.wake()
+    def _apply(self, wakes: Wakes) -> None:
+        """Wake whom a transition said (holding the lock)."""
+        if wakes.callers:
+            self._cond.notify_all()
+        if wakes.driver:
+            self._driver_wake.notify()
+            if self._selector is not None:
+                self._selector.wake()
 
-    def poke(self, byte: bytes) -> None:
-        """Wake the thread reading in poll (holding ``cond``)."""
+    def _poke(self, byte: bytes) -> None:
+        """Wake the thread reading in poll (holding the lock)."""
         if self._wake_w >= 0:
             try:
                 os.write(self._wake_w, byte)
@@ -159,7 +192,7 @@ class Reader:
     def drain_wake_pipe(self) -> None:
         drain(self._wake_r)
 
-    def close_wake_pipe(self) -> None:
+    def _close_wake_pipe(self) -> None:
         if self._wake_w >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)
@@ -168,11 +201,11 @@ class Reader:
     # -- reading a message ---------------------------------------------------------------------
 
     def read_one(self, transport: Transport, rest: float | None = None) -> Incoming | None:
-        """Read the next message as the state's holder: the message for the inbox, or
+        """Read the next message as the stream's holder: the message for the inbox, or
         None when the listener took it. A failure fails the connection."""
         try:
             msg = read_message(transport, self.peer, rest)
-            if msg.offer:
+            if msg.payload is Payload.OFFERED:
                 cuda = self._cuda_transport(None, 0.0)
                 if isinstance(cuda, OneSidedTransport) and cuda.copies_at_once(msg.offer):
                     # A staged payload: copied out now, as a CPU payload is read now, so
@@ -180,7 +213,8 @@ class Reader:
                     self._take_in(msg, cuda)
                     msg.nbytes += sum(t.numel() * t.element_size() for t in msg.tensors or ())
             if self.listener is not None:
-                self.listener.dispatch(self, transport, msg)
+                self._complete(msg, transport)
+                self.listener.deliver(self.peer, msg)
                 return None
             return msg
         except CommError as exc:
@@ -190,27 +224,15 @@ class Reader:
             self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
         return None
 
-    def leave(self, msg: Incoming | None, by_caller: bool) -> None:
-        """Queue what the holder read and free the stream (holding ``cond``)."""
-        if msg is not None:
-            self.inbox.put(msg)
-        stall_ends = self.state is ReaderState.CLAIMANT
-        self.state = ReaderState.STALLED if msg is not None and msg.deferred else ReaderState.IDLE
-        if by_caller:
-            self._last_read = time.monotonic()
-        self.cond.notify_all()
-        if stall_ends and not self.pollable:
-            # A receiver thread blocked on its turn reads on now; on a pollable
-            # transport it looks again within LINGER anyway, so no wake-up is owed.
-            self.driver_wake.notify()
-
-    def driver_may_read(self) -> bool:
-        """Whether the driver may take the stream now (holding ``cond``)."""
-        if self.state is not ReaderState.IDLE or self.inbox.full:
-            return False
-        return not self.pollable or (
-            self.wanting == 0 and time.monotonic() - self._last_read >= LINGER
-        )
+    def _complete(self, msg: Incoming, transport: Transport) -> None:
+        """Read a listened message's payload now (this thread holds the stream): on CPU,
+        or this thread's CUDA device."""
+        if msg.device:
+            msg.tensors = self.device_payload(
+                msg, None, None, default_timeout(), "listen", transport=transport)
+        elif msg.payload is Payload.IN_STREAM:
+            msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
+            self.read_payload(transport, msg.tensors, default_timeout())
 
     def read_payload(self, transport: Transport, buffers: list[torch.Tensor], timeout: float) -> None:
         """Read a deferred payload (the holder); a failure fails the connection."""
@@ -247,7 +269,7 @@ class Reader:
             CommTimeoutError, PeerLostError: from the transports.
         """
         header = msg.header
-        if msg.tensors is not None:  # taken in already: order this stream after the copy
+        if msg.payload is Payload.TAKEN:  # copied out already: order this stream after it
             cuda = self._cuda_transport(None, timeout)
             if isinstance(cuda, OneSidedTransport):
                 at = targets[0].device if targets and targets[0].is_cuda else (
@@ -260,7 +282,7 @@ class Reader:
         cuda = self._cuda_transport(None, timeout) or self._cuda_transport(
             device or torch.device("cuda", torch.cuda.current_device()), timeout)
         offer = msg.offer
-        if not offer:  # deferred: the payload (NCCL) or its offer follows in the stream
+        if msg.payload is Payload.IN_STREAM:  # the payload (NCCL) or its offer follows
             if not isinstance(cuda, OneSidedTransport):
                 device = device or torch.device("cuda", torch.cuda.current_device())
                 buffers = targets if direct else [codec.empty_like_meta(m, device) for m in header.tensors]
@@ -291,27 +313,27 @@ class Reader:
         """The pair's first CUDA message stalls the stream, its offer in the frame right
         behind it: read that offer now, when it is there, so that the message is taken
         in like the others (holding ``cond``)."""
-        if self.state is not ReaderState.STALLED or not self.pollable or not self.inbox:
+        state = self._state
+        if state.lease is not Lease.STALLED or not state.pollable or not state.inbox:
             return
-        msg = list(self.inbox)[-1]
+        msg = list(state.inbox)[-1]
         transport = self.transport
-        if not (msg.deferred and msg.on_device and msg.tensors is None) or transport is None:
+        if not (msg.deferred and msg.device) or transport is None:
             return
         if not isinstance(self._cuda_transport(None, 0.0), OneSidedTransport):
             return
         try:
             if not transport.poll(0):
                 return
-            self.state = ReaderState.CLAIMANT
-            msg.offer = transport.recv_frame(default_timeout())
-            msg.deferred = False
+            state.claim_stall()
+            msg.offered(transport.recv_frame(default_timeout()))
         except CommError as exc:
             # Not fail(): it closes the CUDA transport, whose send lock this thread may
             # hold (a waiting send runs this); the stream is marked broken instead.
             self.set_error(exc)
         finally:
-            if self.state is ReaderState.CLAIMANT:
-                self.leave(None, by_caller=True)
+            if state.lease is Lease.CLAIMANT:
+                self._apply(state.leave(None, time.monotonic(), by_caller=True))
 
     def take_in_offers(self) -> None:
         """Copy the offered CUDA payloads of queued messages into new tensors now,
@@ -321,11 +343,12 @@ class Reader:
         CUDA payloads to each other before receiving then both go on, as on the CPU path,
         up to the unread-bytes cap. A payload that cannot be copied now stays offered
         (its receive op raises the reason)."""
-        with self.cond:
+        with self._cond:
             self._claim_trailing_offer()
-            pending = [m for m in self.inbox if m.offer and m.tensors is None]
+            inbox = self._state.inbox
+            pending = [m for m in inbox if m.payload is Payload.OFFERED]
             for msg in pending:
-                if self.inbox.full or self.error is not None:
+                if inbox.full or self.error is not None:
                     return
                 cuda = self._cuda_transport(None, 0.0)  # made: the peer offered over it
                 if not isinstance(cuda, OneSidedTransport):
@@ -335,7 +358,7 @@ class Reader:
                 except CommError:
                     logger.debug("taking in an offer from %s failed", self.peer, exc_info=True)
                     return
-                self.inbox.grew(msg, sum(t.numel() * t.element_size() for t in msg.tensors or ()))
+                inbox.grew(msg, sum(t.numel() * t.element_size() for t in msg.tensors or ()))
 
     def _take_in(self, msg: Incoming, cuda: OneSidedTransport) -> None:
         """Copy ``msg``'s offered payload into new tensors (on the GPU it lies on); its
@@ -343,23 +366,100 @@ class Reader:
         header = msg.header
         buffers = cuda.accept(msg.offer, [m.nbytes for m in header.tensors], None, None, None)
         device = buffers[0].device if buffers else None
-        msg.tensors = framing.tensors_from_payload(header, buffers, device)
-        msg.offer = b""
+        msg.taken(framing.tensors_from_payload(header, buffers, device))
+
+    # -- the driver (the receiver thread, a selector) ---------------------------------------
+
+    def wait_for_stream(self) -> Transport | None:
+        """As the receiver thread: wait until the stream is the driver's, then return
+        the transport to read (``None``: the stream failed, the thread ends)."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                turn, until = self._state.driver_take(now)
+                if turn is DriverTurn.READ:
+                    return self.transport
+                if turn is DriverTurn.STOP:
+                    return None
+                self._driver_wake.wait(None if until is None else max(0.0, until - now))
+
+    def driver_leave(self, msg: Incoming | None) -> None:
+        """The driver read ``msg`` (``None``: nothing) and leaves the stream."""
+        with self._cond:
+            self._apply(self._state.leave(msg, time.monotonic(), by_caller=False))
+
+    def receiver_ended(self) -> None:
+        """The receiver thread ends: its wake pipe goes, unless a selector polls it."""
+        with self._cond:
+            if not self._state.selected:
+                self._close_wake_pipe()
+
+    def select_by(self, selector: Wakeable) -> None:
+        """Let ``selector`` drive the stream instead of the receiver thread (it keeps to
+        that once the transport is known to be pollable; else it lets go)."""
+        with self._cond:
+            self._selector = selector
+            if self._state.select():
+                self._poke(b"s")  # out of its poll: the receiver thread leaves the stream
+        selector.wake()
+
+    def selector_take(self, selector: Wakeable) -> PollableTransport | bool:
+        """As ``selector``: take the stream if it may read now. The transport when taken;
+        False when not now (look again within :data:`LINGER`); True when the selector
+        is done with this reader (it failed, or its transport cannot be polled)."""
+        with self._cond:
+            if self._selector is not selector:
+                return True
+            turn, _ = self._state.driver_take(time.monotonic(), selector=True)
+            if turn is DriverTurn.READ:
+                return self.transport  # type: ignore[return-value]
+            if turn is DriverTurn.LATER:
+                return False
+            self._selector = None
+            self._state.selected = False
+            if turn is DriverTurn.STOP:
+                self._close_wake_pipe()  # its receiver thread left it to the selector
+            else:  # LET_GO: its receiver thread reads it
+                self._driver_wake.notify()
+            return True
+
+    def selector_serve(self, transport: PollableTransport, has_data: bool) -> bool:
+        """As the selector holding the stream: read the next message if ``has_data``,
+        then leave the stream if the message goes to the inbox or somebody wants it.
+        Returns whether it left."""
+        msg = self.read_one(transport) if has_data else None  # type: ignore[arg-type]
+        with self._cond:
+            # A dispatched message leaves nothing to hand over: keep the stream unless it
+            # is wanted (the selector empties the wake pipes when woken).
+            if self._selector is not None and self._state.driver_keeps(msg is not None):
+                return False
+            self._apply(self._state.leave(msg, time.monotonic(), by_caller=False))
+            return True
+
+    def selector_release(self, selector: Wakeable, holding: bool) -> None:
+        """``selector`` (``holding`` the stream or not) ends: the receiver thread reads
+        the stream again."""
+        with self._cond:
+            if self._selector is selector:
+                self._selector = None
+                wakes = self._state.unselect(holding, time.monotonic())
+                if self.error is not None:
+                    self._close_wake_pipe()
+                self._apply(wakes)
 
     # -- the caller's fast path ------------------------------------------------------------------
 
     def _read_as_caller(self, remaining: float, wakeable: bool = False) -> None:
-        """Take the idle stream, read one message if one comes within ``remaining``
-        seconds; ``wakeable``: the wake pipe ends the wait too (holding ``cond``; it is
-        released meanwhile)."""
+        """Holding the stream (``CALLER``), read one message if one comes within
+        ``remaining`` seconds; ``wakeable``: the wake pipe ends the wait too. Called
+        holding the lock; released over the I/O."""
         transport = self.transport
-        self.state = ReaderState.CALLER
         msg = None
         deadline = time.monotonic() + remaining
-        self.cond.release()
+        self._cond.release()
         try:
-            if transport.poll(remaining, self._wake_r if wakeable else None):
-                msg = self.read_one(transport, deadline - time.monotonic())
+            if transport.poll(remaining, self._wake_r if wakeable else None):  # type: ignore[union-attr]
+                msg = self.read_one(transport, deadline - time.monotonic())  # type: ignore[arg-type]
             elif wakeable:
                 self.drain_wake_pipe()
         except CommError as exc:
@@ -368,53 +468,30 @@ class Reader:
             logger.exception("waiting for a message from %s failed", self.peer)
             self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
         finally:
-            self.cond.acquire()
-            self.leave(msg, by_caller=True)
+            self._cond.acquire()
+            self._apply(self._state.leave(msg, time.monotonic(), by_caller=True))
 
-    def _wait_for_message(self, remaining: float, asked: bool, pumper: int | None = None) -> bool:
-        """One wait of a thread that wants the next message (holding ``cond``): read it
-        itself if the stream is idle, else ask the driver to leave it (once) and wait to
-        be notified. ``pumper``: the thread id of a waiting :meth:`pump`, whose wait in
-        poll the wake pipe may end. Returns whether it has asked."""
-        if self.error is None and self.transport is not None and self.pollable:
-            if self.state is ReaderState.IDLE:
-                self._pumper = pumper
-                try:
-                    self._read_as_caller(remaining, wakeable=pumper is not None)
-                finally:
-                    self._pumper = None
-                return asked
-            if self.state is ReaderState.DRIVER and not asked:
-                self.wanting += 1
-                self.poke(b"w")  # out of its poll: it leaves the stream
-                asked = True
-        self.cond.wait(remaining)
-        return asked
+    def _take_turn(self, turn: Turn, remaining: float, pumper: bool = False) -> None:
+        """Do what :meth:`StreamState.want` said (holding the lock)."""
+        if turn is Turn.READ:
+            self._read_as_caller(remaining, wakeable=pumper)
+            return
+        if turn is Turn.ASK:
+            self._poke(b"w")  # out of its poll: the driver leaves the stream
+        self._cond.wait(remaining)
 
     # -- receive ops ---------------------------------------------------------------------------
 
     def take_ticket(self) -> int:
-        with self.cond:
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            return ticket
-
-    @property
-    def in_use(self) -> bool:
-        """Whether receive ops or messages have used this reader (it cannot be listened)."""
-        return bool(self.inbox) or self._next_ticket > 0
+        with self._cond:
+            return self._state.take_ticket()
 
     def release_ticket(self, ticket: int) -> None:
         """Give up receive ``ticket`` if it was not served (a receive op that failed
         before its turn): later receives then do not wait for it. Idempotent."""
-        with self.cond:
-            if ticket < self._serving or ticket in self._abandoned:
-                return
-            self._abandoned.add(ticket)
-            while self._serving in self._abandoned:
-                self._abandoned.discard(self._serving)
-                self._serving += 1
-            self.cond.notify_all()
+        with self._cond:
+            if self._state.release_ticket(ticket):
+                self._cond.notify_all()
 
     def receive(
         self,
@@ -433,42 +510,30 @@ class Reader:
             raise RuntimeError(f"{what} from {self.peer}: this connection is listened to")
         deadline = time.monotonic() + timeout
         asked = False
-        with self.cond:
+        state = self._state
+        with self._cond:
             try:
                 while True:
-                    while self._serving in self._abandoned:
-                        self._abandoned.discard(self._serving)
-                        self._serving += 1
-                    my_turn = self._serving == ticket
-                    if my_turn and self.inbox:
+                    now = time.monotonic()
+                    turn, asked = state.want(now, deadline, asked, ticket)
+                    if turn is Turn.SERVE:
                         break
-                    if my_turn and self.error is not None:
-                        raise self.error
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    if turn is Turn.FAIL:
+                        raise state.error  # type: ignore[misc]
+                    if turn is Turn.TIMEOUT:
                         raise CommTimeoutError(
                             f"{what} from {self.peer}: nothing arrived within {timeout}s"
                         )
-                    if my_turn:
-                        asked = self._wait_for_message(remaining, asked)
-                    else:
-                        self.cond.wait(remaining)
-                msg = self.inbox.peek()
-                consume, result = handle(msg)
-                if consume and self.inbox.take():
-                    self.wake_driver()  # it stopped at the cap: read on
+                    self._take_turn(turn, deadline - now)
+                consume, result = handle(state.inbox.peek())
             except BaseException:
-                if self._serving == ticket:
-                    self._serving += 1
-                else:
-                    self._abandoned.add(ticket)
-                self.cond.notify_all()
+                state.failed_op(ticket)
+                self._cond.notify_all()
                 raise
             finally:
                 if asked:
-                    self.wanting -= 1
-            self._serving += 1
-            self.cond.notify_all()
+                    state.unask()
+            self._apply(state.served(ticket, consume))
         return result
 
     def read_deferred(
@@ -476,23 +541,20 @@ class Reader:
     ) -> T:
         """Read what follows ``msg`` in the stalled stream (``msg`` was taken by this
         receive op) with ``read(transport)``, as the stream's claimant."""
-        with self.cond:
-            if self.state is not ReaderState.STALLED:
-                raise AssertionError(f"{what}: the stream is not stalled on this message")
-            self.state = ReaderState.CLAIMANT
+        with self._cond:
+            self._state.claim_stall()
         try:
             return read(self._ready(timeout))
         finally:
-            with self.cond:
-                self.leave(None, by_caller=True)
+            with self._cond:
+                self._apply(self._state.leave(None, time.monotonic(), by_caller=True))
 
     # -- listening -------------------------------------------------------------------------------
 
     def listen(self, listener: Listener) -> None:
         """Hand every message from now on to ``listener`` (see :mod:`.listening`)."""
-        with self.cond:
-            if self.listener is not None or self.in_use:
-                raise RuntimeError(f"{self.peer}: the connection is already in use")
+        with self._cond:
+            self._state.listen()
             self.listener = listener
             error = self.error
         if error is not None:
@@ -512,25 +574,26 @@ class Reader:
         me = threading.get_ident()
         fut.add_done_callback(lambda _: self._wake_pumper(me))
         asked = False
-        with self.cond:
+        state = self._state
+        with self._cond:
             try:
                 while not fut.done():
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
+                    now = time.monotonic()
+                    turn, asked = state.want(now, deadline, asked, pumper=me)
+                    if turn is Turn.TIMEOUT:
                         return False
-                    asked = self._wait_for_message(remaining, asked, pumper=me)
+                    self._take_turn(turn, deadline - now, pumper=True)
                 return True
             finally:
                 if asked:
-                    self.wanting -= 1
+                    state.unask()
                 if hand_back():
-                    self._last_read = 0.0
-                    self.wake_driver()
+                    self._apply(state.hand_back())
 
     def _wake_pumper(self, pumper: int) -> None:
         """``pumper``'s future got done on another thread: end its wait in poll."""
         if threading.get_ident() == pumper:
             return
-        with self.cond:
-            if self._pumper == pumper:
-                self.poke(b"p")
+        with self._cond:
+            if self._state.pumper == pumper:
+                self._poke(b"p")

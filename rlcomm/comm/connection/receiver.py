@@ -4,7 +4,8 @@ Each attached connection starts one. It reads the stream whenever nobody else ma
 receive op wants it, the inbox is under its cap), so a peer's send never waits for this
 worker's code to call ``recv``. While a :class:`~rlcomm.comm.selector.Selector` drives
 the reader instead, the thread only waits to be handed the stream back, or for the end.
-It owns nothing but its loop; the reader's state is the reader's.
+It owns nothing but its loop: what the stream lets it do is the
+:class:`~.stream.StreamState`'s to say (through the reader's driver methods).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from rlcomm.comm.connection.reader import LINGER, Reader, ReaderState
+from rlcomm.comm.connection.reader import Reader
 from rlcomm.errors import CommError, PeerLostError
 
 logger = logging.getLogger(__name__)
@@ -28,36 +29,23 @@ def start_receiver_thread(reader: Reader) -> threading.Thread:
 
 
 def _receive_loop(reader: Reader) -> None:
-    transport = reader.transport
-    pollable = reader.pollable
-    cond = reader.cond
     try:
         while True:
-            with cond:
-                while reader.error is None and (
-                    (reader.selector is not None and pollable) or not reader.driver_may_read()
-                ):
-                    selected = reader.selector is not None
-                    reader.driver_wake.wait(LINGER if pollable and not selected else None)
-                if reader.error is not None:
-                    return
-                reader.state = ReaderState.DRIVER
+            transport = reader.wait_for_stream()
+            if transport is None:
+                return
             msg = None
             try:
-                if not pollable or transport.poll(None, reader.wake_fd):
+                if not reader.pollable or transport.poll(None, reader.wake_fd):
                     msg = reader.read_one(transport)
                 else:
                     reader.drain_wake_pipe()
             finally:
-                with cond:
-                    reader.leave(msg, by_caller=False)
+                reader.driver_leave(msg)
     except CommError as exc:
         reader.fail(exc)
     except Exception as exc:  # noqa: BLE001 - any failure ends the stream, loudly
         logger.exception("receiver thread for %s failed", reader.peer)
         reader.fail(PeerLostError(f"receiving from {reader.peer} failed: {exc!r}"))
     finally:
-        with cond:
-            if reader.selector is None:  # else the selector polls it; it closes it
-                reader.close_wake_pipe()
-
+        reader.receiver_ended()
