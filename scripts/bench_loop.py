@@ -2,8 +2,11 @@
 """The demo's RL loop end to end: on rlcomm and on plain Ray, in one run.
 
 The loop is ``examples/rollout_to_trainer.py``'s. Rollout workers play CartPole-v1 with
-a torch policy and stream finished episodes (two per item) to a data-parallel trainer,
-two ranks that all-reduce their gradients over ``torch.distributed`` (Gloo). After every
+a torch policy and stream finished episodes (one per item) to a data-parallel trainer,
+two ranks that all-reduce their gradients over ``torch.distributed`` (Gloo). Unlike the
+demo, an update trains on a fixed number of env steps (``--steps-per-update``, items
+weighed by their steps), so that every update does the same work however long the
+episodes grow as the policy learns, and the loops compare like with like. After every
 update trainer rank 0 sends the new weights to every rollout worker; a worker takes them
 between episodes and keeps playing meanwhile. The loop runs four ways, with the same
 workers, policy, seeds and settings:
@@ -44,6 +47,11 @@ the median of the rounds, whose order alternates):
 - weight sync: the median time from trainer rank 0 starting to send a version (the
   clone or copy included) until the last rollout worker holds it. Every process sits on
   one node and notes the wall clock.
+
+- CPU per 1000 env steps: the CPU time (user and system) that every process of the run
+  used over those updates (Ray's own processes, the workers, the queue or channel
+  actor; read from ``/proc``), per 1000 env steps trained on. On a machine shared with
+  other work, this figure moves much less with the others' load than the rates do.
 
 It also prints where trainer rank 0's time goes (waiting for episodes, the step, sending
 weights); the JSON keeps every update's times.
@@ -279,7 +287,8 @@ class RlcommRollout(Player, Worker):
         receiver.start()
         try:
             while True:
-                self.channel.put(self.next_item(), weight=self.episodes_per_item)
+                item = self.next_item()
+                self.channel.put(item, weight=item.obs.shape[0])  # weighed in env steps
         except ChannelClosedError:
             pass
         receiver.join(timeout=WAIT_S)
@@ -313,7 +322,7 @@ class RlcommTrainer(Learner, Worker):
             at += v.numel()
         return out
 
-    def train(self, updates: int, episodes_per_rank: int, num_rollout: int,
+    def train(self, updates: int, steps_per_rank: int, num_rollout: int,
               how: str) -> list[dict[str, float]]:
         groups = _weight_groups(num_rollout)
         sent = None
@@ -324,7 +333,7 @@ class RlcommTrainer(Learner, Worker):
 
         for _ in range(updates):
             start = time.time()
-            batches = self.channel.get_batch(episodes_per_rank)
+            batches = self.channel.get_batch(steps_per_rank)
             got = time.time()
             # Sent from the live parameters, a broadcast reads them until it is done.
             steps = self.step(batches, self._world_size, settle if how == "live" else None)
@@ -386,19 +395,20 @@ class RayTrainer(Learner):
                                 world_size=world)
         self.rank, self.world = rank, world
 
-    def _take(self, episodes: int) -> list[EpisodeBatch]:
+    def _take(self, steps: int) -> list[EpisodeBatch]:
+        """Items until they hold ``steps`` env steps (``get_batch``'s rule)."""
         batches, got = [], 0
-        while got < episodes:
+        while got < steps:
             item = self.queue.get(timeout=WAIT_S)
             batches.append(item)
-            got += item.episodes
+            got += item.obs.shape[0]
         return batches
 
-    def train(self, updates: int, episodes_per_rank: int, rollouts: list) -> list[dict]:
+    def train(self, updates: int, steps_per_rank: int, rollouts: list) -> list[dict]:
         pending: list = []
         for _ in range(updates):
             start = time.time()
-            batches = self._take(episodes_per_rank)
+            batches = self._take(steps_per_rank)
             got = time.time()
             steps = self.step(batches, self.world)
             stepped = time.time()
@@ -447,6 +457,71 @@ def summarize(records: list[dict], reports: list[dict], warmup: int) -> dict[str
     }
 
 
+def tree_cpu_s(root: int) -> float | None:
+    """CPU seconds (user and system) the descendants of process ``root`` have used, from
+    ``/proc``: Ray's own processes, the workers, the actors. ``None`` without ``/proc``."""
+    if not os.path.isdir("/proc"):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    used: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        # fields[1]: ppid; [11], [12]: utime, stime; [13], [14]: of its reaped children
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        used[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
+    total, todo = 0.0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        total += used.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
+class CpuSampler:
+    """Samples :func:`tree_cpu_s` of this process's descendants on a thread of its own,
+    so the CPU used between two wall-clock times can be read afterwards."""
+
+    def __init__(self, every_s: float = 0.25):
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._every = every_s
+        self._thread = threading.Thread(target=self._run, name="loop-cpu", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            cpu = tree_cpu_s(os.getpid())
+            if cpu is not None:
+                self.samples.append((time.time(), cpu))
+            if self._stop.wait(self._every):
+                return
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, start: float, end: float) -> float | None:
+        """CPU seconds used from ``start`` to ``end`` (linear between samples)."""
+        def at(t: float) -> float | None:
+            for (t0, c0), (t1, c1) in zip(self.samples, self.samples[1:], strict=False):
+                if t0 <= t <= t1:
+                    return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c0
+            return None
+
+        a, b = at(start), at(end)
+        return None if a is None or b is None else b - a
+
+
 def _median(values: list[Any]) -> Any:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
@@ -460,7 +535,7 @@ class LoopBench:
 
     def run_rlcomm(self, table_rows: int, how: str) -> tuple[list, list]:
         a = self.args
-        channel = Channel.create("loop_episodes", maxsize=4 * a.rollout_workers,
+        channel = Channel.create("loop_episodes", maxsize=a.queue_items,
                                  item_type=EpisodeBatch)
         rollout = RlcommRollout.create_group(table_rows, a.episodes_per_item, a.seed).launch(
             self.cluster, NodePlacementStrategy([0] * a.rollout_workers), name=ROLLOUT)
@@ -468,7 +543,7 @@ class LoopBench:
             self.cluster, NodePlacementStrategy([0] * a.trainers), name=TRAINER)
         try:
             play = rollout.run(a.rollout_workers)
-            records = trainer.train(a.updates, a.episodes_per_update // a.trainers,
+            records = trainer.train(a.updates, a.steps_per_update // a.trainers,
                                     a.rollout_workers, how).wait(timeout=WAIT_S)[0]
             channel.close()
             reports = play.wait(timeout=WAIT_S)
@@ -481,7 +556,7 @@ class LoopBench:
 
     def run_ray(self, table_rows: int) -> tuple[list, list]:
         a = self.args
-        queue = Queue(maxsize=4 * a.rollout_workers,
+        queue = Queue(maxsize=a.queue_items,
                       actor_options={"num_cpus": 0, "runtime_env": ZERO_COPY})
         opts = {"num_cpus": 0, "runtime_env": ZERO_COPY}
         rollouts = [ray.remote(RayRollout).options(max_concurrency=2, **opts).remote(
@@ -494,7 +569,7 @@ class LoopBench:
             ray.get([t.init_dist.remote(addr, port, rank, a.trainers)
                      for rank, t in enumerate(trainers)], timeout=WAIT_S)
             play = [r.run.remote() for r in rollouts]
-            train = [t.train.remote(a.updates, a.episodes_per_update // a.trainers, rollouts)
+            train = [t.train.remote(a.updates, a.steps_per_update // a.trainers, rollouts)
                      for t in trainers]
             records = ray.get(train, timeout=WAIT_S)[0]
             ray.get([r.stop.remote() for r in rollouts], timeout=WAIT_S)
@@ -535,18 +610,24 @@ class LoopBench:
 
     def _one(self, rows: int, loop: str, rnd: int) -> dict[str, Any]:
         t0 = time.monotonic()
-        if loop == "plain Ray":
-            records, reports = self.run_ray(rows)
-        else:
-            records, reports = self.run_rlcomm(rows, STAGING[loop])
+        with CpuSampler() as cpu:
+            if loop == "plain Ray":
+                records, reports = self.run_ray(rows)
+            else:
+                records, reports = self.run_rlcomm(rows, STAGING[loop])
         summary = summarize(records, reports, self.args.warmup)
+        timed = records[self.args.warmup:]
+        used = cpu.between(timed[0]["start"], timed[-1]["start"])
+        steps = sum(r["steps"] for r in timed[:-1])
+        summary["cpu_s_per_1k_steps"] = used / steps * 1e3 if used is not None else None
         sync = summary["weight_sync_ms"]
         print(f"  round {rnd + 1} {loop:22s} {summary['env_steps_per_s']:8.0f} env steps/s, "
               f"update {summary['update_ms']:7.1f} ms, weight sync "
               f"{'-' if sync is None else f'{sync:.1f}'} ms; rank 0 per update: "
               f"{summary['waiting_for_episodes_ms']:.0f} ms waiting for episodes, "
               f"{summary['step_ms']:.0f} ms stepping, "
-              f"{summary['sending_weights_ms']:.0f} ms sending weights "
+              f"{summary['sending_weights_ms']:.0f} ms sending weights; "
+              f"{summary['cpu_s_per_1k_steps'] or float('nan'):.2f} CPU s per 1000 env steps "
               f"({time.monotonic() - t0:.0f} s)", flush=True)
         return {"summary": summary, "records": records,
                 "workers": [{k: v for k, v in r.items() if k != "arrivals"} for r in reports]}
@@ -567,8 +648,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each loop, in alternating order; figures are medians")
     parser.add_argument("--warmup", type=int, default=5, help="first updates left out")
-    parser.add_argument("--episodes-per-update", type=int, default=16)
-    parser.add_argument("--episodes-per-item", type=int, default=2)
+    parser.add_argument("--steps-per-update", type=int, default=2048,
+                        help="env steps an update trains on, over all trainer ranks")
+    parser.add_argument("--episodes-per-item", type=int, default=1)
+    parser.add_argument("--queue-items", type=int, default=256,
+                        help="bound of the episode queue (both loops), in items")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--machine-note", default="", help="said of the machine in the JSON")
