@@ -28,9 +28,10 @@ workers, policy, seeds and settings:
   ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``. The trainer ranks set up Gloo from an
   address and port they agree on through the driver.
 
-On each side a rollout worker receives weights on a thread of its own (rlcomm: a
-blocking ``broadcast``; Ray: the actor's second concurrency slot), so a weight sync is
-timed until the weights arrive, not until the next episode ends.
+On each side weights arrive while a rollout worker plays (rlcomm: a broadcast posted with
+``async_op=True``, as the demo does; Ray: a call on the actor's second concurrency slot),
+and the worker notes the time they arrive, so a weight sync is timed until the weights
+are there, not until the next episode ends.
 
 Two policies: ``small``, the demo's (two 64-unit MLPs, 835 parameters), and
 ``50M``, the demo's with an embedding table of 50 M float32 parameters (200 MB) beside
@@ -272,26 +273,40 @@ class RlcommRollout(Player, Worker):
         self.setup(table_rows, episodes_per_item, seed, self._rank)
         self.channel = self.connect_channel("loop_episodes")
 
-    def _receive_weights(self, num_rollout: int) -> None:
-        groups = _weight_groups(num_rollout)
-        while True:
-            state = self.broadcast(None, groups=groups, src=(TRAINER, 0))
-            version = int(state.pop("__version__"))
-            if version == STOP:
-                return
+    def _arrived(self, future) -> None:
+        """A broadcast's completion: note the weights' arrival (on rlcomm's thread)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        state = future.result()
+        version = int(state.pop("__version__"))
+        if version == STOP:
+            self.stopped = True
+        else:
             self.offer(version, state)
 
+    def _post(self, groups: list) -> Any:
+        work = self.broadcast(None, groups=groups, src=(TRAINER, 0), async_op=True)
+        work.future.add_done_callback(self._arrived)
+        return work
+
     def run(self, num_rollout: int) -> dict[str, Any]:
-        receiver = threading.Thread(target=self._receive_weights, args=(num_rollout,),
-                                    name="loop-weights", daemon=True)
-        receiver.start()
+        # As the demo does: the next broadcast is posted with async_op=True and looked at
+        # between episodes. (A thread blocked in a blocking receive slowed this process's
+        # playing thread to about half its rate: see docs/performance.md.)
+        groups = _weight_groups(num_rollout)
+        self.stopped = False
+        pending = self._post(groups)
         try:
             while True:
+                if pending is not None and pending.done():
+                    pending = None if self.stopped else self._post(groups)
                 item = self.next_item()
                 self.channel.put(item, weight=item.obs.shape[0])  # weighed in env steps
         except ChannelClosedError:
             pass
-        receiver.join(timeout=WAIT_S)
+        while pending is not None:  # the trainer's last broadcast says stop
+            pending.wait()
+            pending = None if self.stopped else self._post(groups)
         return self.report()
 
 
