@@ -278,35 +278,35 @@ class RlcommRollout(Player, Worker):
         if future.cancelled() or future.exception() is not None:
             return
         state = future.result()
-        version = int(state.pop("__version__"))
-        if version == STOP:
-            self.stopped = True
-        else:
-            self.offer(version, state)
+        version = int(state["__version__"])
+        if version != STOP:
+            self.offer(version, {k: v for k, v in state.items() if k != "__version__"})
 
     def _post(self, groups: list) -> Any:
         work = self.broadcast(None, groups=groups, src=(TRAINER, 0), async_op=True)
         work.future.add_done_callback(self._arrived)
         return work
 
+    @staticmethod
+    def _says_stop(work: Any) -> bool:
+        return int(work.wait()["__version__"]) == STOP
+
     def run(self, num_rollout: int) -> dict[str, Any]:
         # As the demo does: the next broadcast is posted with async_op=True and looked at
         # between episodes. (A thread blocked in a blocking receive slowed this process's
         # playing thread to about half its rate: see docs/performance.md.)
         groups = _weight_groups(num_rollout)
-        self.stopped = False
         pending = self._post(groups)
         try:
             while True:
                 if pending is not None and pending.done():
-                    pending = None if self.stopped else self._post(groups)
+                    pending = None if self._says_stop(pending) else self._post(groups)
                 item = self.next_item()
                 self.channel.put(item, weight=item.obs.shape[0])  # weighed in env steps
         except ChannelClosedError:
             pass
         while pending is not None:  # the trainer's last broadcast says stop
-            pending.wait()
-            pending = None if self.stopped else self._post(groups)
+            pending = None if self._says_stop(pending) else self._post(groups)
         return self.report()
 
 
