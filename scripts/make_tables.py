@@ -60,7 +60,7 @@ def num(x: float | None) -> str:
         return f"{x:.1f}"
     if a >= 1:
         return f"{x:.2f}"
-    return f"{x:.3g}"
+    return f"{x:#.3g}"
 
 
 def ratio(x: float | None) -> str:
@@ -82,8 +82,9 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def machine_of(data: dict[str, Any]) -> str:
-    """Where a run ran, from its JSON's ``machine`` (a phrase, or a dict of facts)."""
+def machine_of(data: dict[str, Any], load: bool = True) -> str:
+    """Where a run ran, from its JSON's ``machine`` (a phrase, or a dict of facts); with
+    ``load``, the load average the JSON recorded."""
     m = data.get("machine")
     if isinstance(m, str):
         return m
@@ -93,8 +94,10 @@ def machine_of(data: dict[str, Any]) -> str:
              f"torch {m['torch']}" if "torch" in m else None,
              f"Ray {m['ray']}" if "ray" in m else None]
     load_avg = m.get("loadavg") or m.get("loadavg_start")
-    if load_avg:
-        facts.append(f"load average {load_avg[0]:.1f} at the start")
+    if load_avg and load:
+        end = m.get("loadavg_end")
+        facts.append(f"load average {load_avg[0]:.1f} at the start"
+                     + (f", {end[0]:.1f} at the end" if end else ""))
     text = ", ".join(f for f in facts if f)
     if m.get("note"):
         return f"{m['note']} ({text})"
@@ -333,7 +336,8 @@ def loop_table(data: dict[str, Any]) -> str:
             if run is None:
                 continue
             s = run["summary"]
-            rows.append([_policy_label(run), loop, num(s["env_steps_per_s"]), num(s["update_ms"]),
+            rows.append([_policy_label(run), loop, _with_spread(run, "env_steps_per_s"),
+                         num(s["update_ms"]),
                          num(s["weight_sync_ms"]), num(s.get("cpu_s_per_1k_steps")),
                          num(s["steps_per_update"])])
         base = runs.get((policy, "plain Ray"))
@@ -347,8 +351,16 @@ def loop_table(data: dict[str, Any]) -> str:
                          ratio(_lower_better(s, b, "update_ms")),
                          ratio(_lower_better(s, b, "weight_sync_ms")),
                          ratio(_lower_better(s, b, "cpu_s_per_1k_steps")), ""])
-    return table(["policy", "loop", "env steps/s", "update, ms", "weight sync, ms",
+    return table(["policy", "loop", "env steps/s (range of the rounds)", "update, ms",
+                  "weight sync, ms",
                   "CPU s per 1000 env steps", "env steps per update"], rows)
+
+
+def _with_spread(run: dict[str, Any], key: str) -> str:
+    """The median, and with several rounds the range of the rounds in parentheses."""
+    values = [r["summary"][key] for r in run.get("rounds", []) if r["summary"].get(key)]
+    text = num(run["summary"][key])
+    return f"{text} ({num(min(values))}-{num(max(values))})" if len(values) > 1 else text
 
 
 def _lower_better(ours: dict[str, Any], base: dict[str, Any], key: str) -> float | None:
@@ -394,7 +406,7 @@ def render_readme_loop() -> str:
                 cells.append(f"{num(ours)} ({ratio(ours / theirs if higher else theirs / ours)})")
             rows.append([f"{policy} policy: {label}"] + cells)
     header = ["the demo's RL loop", "plain Ray", "rlcomm"]
-    return (f"*`scripts/bench_loop.py`, one run on {machine_of(data)}; in parentheses, how "
+    return (f"*`scripts/bench_loop.py`, one run on {machine_of(data, load=False)}; in parentheses, how "
             f"many times better than plain Ray. The full table, with the demo's own way of "
             f"sending weights and with `rlcomm.empty`, is in "
             f"[docs/performance.md](docs/performance.md#end-to-end-the-rl-loop).*\n\n"
