@@ -98,7 +98,7 @@ class Settings:
         minimum=2)
     strict: bool = _setting(
         False, "strict mode: received pickles may build only plain values and tensors "
-        "(no other class or function); see the README's Security section")
+        "(no other class or function); see docs/security.md")
     max_unread_bytes: int = _setting(
         1 << 30, "received-but-unread bytes one connection holds before it stops reading "
         "(the sender then waits, and times out); read when a connection is made", minimum=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import platform
 import statistics
@@ -110,6 +111,7 @@ def run(num_tensors: int, numel: int, number: int, repeat: int) -> dict:
         "torch": torch.__version__,
         "msgspec": msgspec.__version__,
         "machine": platform.machine(),
+        "loadavg": os.getloadavg(),
         "rows": rows,
     }
 

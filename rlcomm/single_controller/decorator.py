@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcomm.single_controller.dispatch_modes import (
-    MODE_TABLE,
+    DISPATCH_MODE_FN_REGISTRY,
     Dispatch,
     DispatchMode,
     Execute,
@@ -30,6 +30,7 @@ from rlcomm.single_controller.dispatch_modes import (
     get_predefined_dispatch_fn,
     make_nd_compute_dataproto_dispatch_fn,
     make_nd_compute_dispatch_fn,
+    mode_entry,
     register_dispatch_mode,
     update_dispatch_mode,
 )
@@ -37,6 +38,7 @@ from rlcomm.single_controller.lazy_chunk import resolve_lazy, resolve_lazy_async
 from rlcomm.worker.batch import batch_len
 
 __all__ = [
+    "DISPATCH_MODE_FN_REGISTRY",
     "Dispatch",
     "DispatchMode",
     "Execute",
@@ -89,7 +91,7 @@ class DispatchSpec:
     def resolve(self) -> tuple[str, Callable, Callable, str | None]:
         """``(kind, dispatch_fn, collect_fn, mesh_name)``, looked up now."""
         if isinstance(self.dispatch_mode, DispatchMode):
-            entry = MODE_TABLE[self.dispatch_mode]
+            entry = mode_entry(self.dispatch_mode)
             return entry.kind, entry.dispatch_fn, entry.collect_fn, None
         fn, collect = self.dispatch_mode["dispatch_fn"], self.dispatch_mode["collect_fn"]
         if isinstance(fn, NdDispatch):
@@ -137,7 +139,7 @@ def register(
                 "register: a custom dispatch_mode must be {'dispatch_fn': f, 'collect_fn': g} "
                 f"with callables, got {dispatch_mode!r}"
             )
-    elif not isinstance(dispatch_mode, DispatchMode) or dispatch_mode not in MODE_TABLE:
+    elif not isinstance(dispatch_mode, DispatchMode) or dispatch_mode not in DISPATCH_MODE_FN_REGISTRY:
         raise TypeError(f"register: unknown dispatch_mode {dispatch_mode!r}; use a Dispatch.X mode or a dict")
     if not isinstance(execute_mode, Execute):
         raise TypeError(f"register: execute_mode must be Execute.ALL or Execute.RANK_ZERO, got {execute_mode!r}")
@@ -178,6 +180,38 @@ def register(
         return wrapper
 
     return decorate
+
+
+class BadModeError(TypeError, AssertionError):
+    """A ``dispatch_mode`` or ``execute_mode`` of the wrong kind: a ``TypeError``, and the
+    ``AssertionError`` verl's checks raise."""
+
+
+def _check_dispatch_mode(dispatch_mode: Any) -> None:
+    """verl's check of a ``dispatch_mode`` argument: a named mode, or a dict that has
+    ``dispatch_fn`` and ``collect_fn``. It checks the kind only: whether a named mode is
+    registered is looked up when a call is made.
+
+    Raises:
+        BadModeError: anything else (an ``AssertionError``, as in verl).
+    """
+    if isinstance(dispatch_mode, DispatchMode):
+        return
+    if not isinstance(dispatch_mode, dict):
+        raise BadModeError(f"dispatch_mode must be a Dispatch mode or a dict, got {dispatch_mode!r}")
+    for key in ("dispatch_fn", "collect_fn"):
+        if key not in dispatch_mode:
+            raise BadModeError(f"a dict dispatch_mode needs the key {key!r}, got {sorted(dispatch_mode)}")
+
+
+def _check_execute_mode(execute_mode: Any) -> None:
+    """verl's check of an ``execute_mode`` argument.
+
+    Raises:
+        BadModeError: not an :class:`Execute` (an ``AssertionError``, as in verl).
+    """
+    if not isinstance(execute_mode, Execute):
+        raise BadModeError(f"execute_mode must be an Execute mode, got {execute_mode!r}")
 
 
 def _with_hidden_kwargs(fn: Callable) -> inspect.Signature:

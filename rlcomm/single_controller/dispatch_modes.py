@@ -81,16 +81,20 @@ class Dispatch:
 
     @classmethod
     def remove(cls, name: str) -> DispatchMode:
-        """Remove a mode added with :func:`register_dispatch_mode`; returns it.
+        """Remove a mode added with :func:`register_dispatch_mode` (its name upper-cased,
+        as verl's ``Dispatch.remove`` does) and its entry of
+        :data:`DISPATCH_MODE_FN_REGISTRY`; returns the mode.
 
         Raises:
-            KeyError: no added mode of that name (built-in modes cannot be removed).
+            KeyError: no added mode of that name. Built-in modes cannot be removed (verl
+                lets them go, and every later call of theirs would fail).
         """
-        mode = cls.__dict__.get(name)
+        key = name.upper()
+        mode = cls.__dict__.get(key)
         if not isinstance(mode, DispatchMode) or mode.name in _BUILTIN_MODES:
-            raise KeyError(f"Dispatch.remove: {name!r} is not a mode added by register_dispatch_mode")
-        delattr(cls, name)
-        MODE_TABLE.pop(mode, None)
+            raise KeyError(f"Dispatch.remove: {key!r} is not a mode added by register_dispatch_mode")
+        delattr(cls, key)
+        DISPATCH_MODE_FN_REGISTRY.pop(mode, None)
         return mode
 
 
@@ -211,38 +215,67 @@ class ModeEntry:
     kind: str  # one_to_all | all_to_all | dp | dp_metric | custom
 
 
-MODE_TABLE: dict[DispatchMode, ModeEntry] = {
-    Dispatch.ONE_TO_ALL: ModeEntry(dispatch_one_to_all, collect_all_to_all, "one_to_all"),
-    Dispatch.ALL_TO_ALL: ModeEntry(dispatch_all_to_all, collect_all_to_all, "all_to_all"),
-    Dispatch.DP_COMPUTE: ModeEntry(dispatch_dp_compute, collect_dp_compute, "dp"),
-    Dispatch.DP_COMPUTE_PROTO: ModeEntry(
-        dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, "dp"
-    ),
-    Dispatch.DP_COMPUTE_METRIC: ModeEntry(dispatch_dp_compute, collect_all_to_all, "dp_metric"),
+#: The named modes' functions, ``{mode: {"dispatch_fn": f, "collect_fn": g}}``, under
+#: verl's name. It is the one table a call looks its mode up in, when the call is made:
+#: changing an entry, or restoring the whole table from a copy as verl's tests do
+#: (``clear()`` then ``update(saved)``), changes what later calls do.
+DISPATCH_MODE_FN_REGISTRY: dict[DispatchMode, dict[str, Callable]] = {
+    Dispatch.ONE_TO_ALL: {"dispatch_fn": dispatch_one_to_all, "collect_fn": collect_all_to_all},
+    Dispatch.ALL_TO_ALL: {"dispatch_fn": dispatch_all_to_all, "collect_fn": collect_all_to_all},
+    Dispatch.DP_COMPUTE: {"dispatch_fn": dispatch_dp_compute, "collect_fn": collect_dp_compute},
+    Dispatch.DP_COMPUTE_PROTO: {
+        "dispatch_fn": dispatch_dp_compute_data_proto,
+        "collect_fn": collect_dp_compute_data_proto,
+    },
+    Dispatch.DP_COMPUTE_METRIC: {"dispatch_fn": dispatch_dp_compute, "collect_fn": collect_all_to_all},
+}
+
+# The built-in pairs of functions run on the worker group's own paths (batches split on
+# the driver and put once per chunk, rank-zero calls, padding stripped); any other pair
+# is called as verl calls it. The kind follows from the functions rather than from the
+# mode, so a mode given its built-in functions back runs its built-in way again.
+_BUILTIN_KINDS: dict[tuple[Callable, Callable], str] = {
+    (dispatch_one_to_all, collect_all_to_all): "one_to_all",
+    (dispatch_all_to_all, collect_all_to_all): "all_to_all",
+    (dispatch_dp_compute, collect_dp_compute): "dp",
+    (dispatch_dp_compute, collect_all_to_all): "dp_metric",
 }
 
 
+def mode_entry(dispatch_mode: DispatchMode) -> ModeEntry:
+    """The functions of a named mode as the table holds them now, and how they run.
+
+    Raises:
+        KeyError: a mode that is not in :data:`DISPATCH_MODE_FN_REGISTRY`.
+    """
+    fns = DISPATCH_MODE_FN_REGISTRY[dispatch_mode]
+    dispatch_fn, collect_fn = fns["dispatch_fn"], fns["collect_fn"]
+    return ModeEntry(dispatch_fn, collect_fn, _BUILTIN_KINDS.get((dispatch_fn, collect_fn), "custom"))
+
+
 def get_predefined_dispatch_fn(dispatch_mode: DispatchMode) -> dict[str, Callable]:
-    """``{"dispatch_fn": ..., "collect_fn": ...}`` of a named mode.
+    """``{"dispatch_fn": ..., "collect_fn": ...}`` of a named mode: its entry of
+    :data:`DISPATCH_MODE_FN_REGISTRY` itself, as in verl.
 
     Raises:
         KeyError: an unknown mode.
     """
-    entry = MODE_TABLE[dispatch_mode]
-    return {"dispatch_fn": entry.dispatch_fn, "collect_fn": entry.collect_fn}
+    return DISPATCH_MODE_FN_REGISTRY[dispatch_mode]
 
 
 def register_dispatch_mode(dispatch_mode_name: str, dispatch_fn: Callable, collect_fn: Callable) -> DispatchMode:
-    """Add a named mode ``Dispatch.<dispatch_mode_name>`` with these functions.
+    """Add a named mode ``Dispatch.<NAME>`` with these functions; the name is
+    upper-cased, as verl does (``"my_mode"`` makes ``Dispatch.MY_MODE``).
 
     Raises:
         ValueError: the name is taken or not an identifier.
     """
-    if not dispatch_mode_name.isidentifier() or hasattr(Dispatch, dispatch_mode_name):
-        raise ValueError(f"register_dispatch_mode: {dispatch_mode_name!r} is taken or not an identifier")
-    mode = DispatchMode(dispatch_mode_name)
-    setattr(Dispatch, dispatch_mode_name, mode)
-    MODE_TABLE[mode] = ModeEntry(dispatch_fn, collect_fn, "custom")
+    key = dispatch_mode_name.upper()
+    if not key.isidentifier() or hasattr(Dispatch, key):
+        raise ValueError(f"register_dispatch_mode: {key!r} is taken or not an identifier")
+    mode = DispatchMode(key)
+    setattr(Dispatch, key, mode)
+    DISPATCH_MODE_FN_REGISTRY[mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
     return mode
 
 
@@ -252,12 +285,13 @@ class UnknownDispatchModeError(KeyError, AssertionError):
 
 
 def update_dispatch_mode(dispatch_mode: DispatchMode, dispatch_fn: Callable, collect_fn: Callable) -> None:
-    """Replace the functions of an existing named mode.
+    """Replace the functions of an existing named mode. Giving a built-in mode its own
+    functions back restores its built-in behaviour.
 
     Raises:
         UnknownDispatchModeError: an unknown mode (a ``KeyError`` and an
             ``AssertionError``, as in verl).
     """
-    if dispatch_mode not in MODE_TABLE:
+    if dispatch_mode not in DISPATCH_MODE_FN_REGISTRY:
         raise UnknownDispatchModeError(f"update_dispatch_mode: unknown mode {dispatch_mode!r}")
-    MODE_TABLE[dispatch_mode] = ModeEntry(dispatch_fn, collect_fn, "custom")
+    DISPATCH_MODE_FN_REGISTRY[dispatch_mode] = {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}

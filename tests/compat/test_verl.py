@@ -15,6 +15,7 @@ import pytest
 import ray
 import torch
 
+import rlcomm.single_controller.decorator as decorator_module
 from rlcomm.single_controller import (
     Dispatch,
     DispatchFuture,
@@ -32,6 +33,13 @@ from rlcomm.single_controller import (
     register_dispatch_mode,
     update_dispatch_mode,
 )
+from rlcomm.single_controller.decorator import (
+    DISPATCH_MODE_FN_REGISTRY,
+    DispatchMode,
+    _check_dispatch_mode,
+    _check_execute_mode,
+)
+from rlcomm.single_controller.dispatch_modes import mode_entry
 
 
 def duplicate_two(worker_group, *args, **kwargs):
@@ -280,10 +288,19 @@ def test_get_set_dispatch_collect(monkeypatch):
 # -- base/test_decorator.py ----------------------------------------------------------------
 
 
-def test_register_new_dispatch_mode():
-    """verl base/test_decorator.py::test_register_new_dispatch_mode: a new named mode,
-    its functions from get_predefined_dispatch_fn, then Dispatch.remove; registering a
-    name twice raises ValueError (verl's DynamicEnum.register)."""
+@pytest.fixture
+def saved_registry():
+    """As verl's test does: a copy of the module's registry, put back with clear and update."""
+    saved = decorator_module.DISPATCH_MODE_FN_REGISTRY.copy()
+    yield saved
+    decorator_module.DISPATCH_MODE_FN_REGISTRY.clear()
+    decorator_module.DISPATCH_MODE_FN_REGISTRY.update(saved)
+
+
+def test_register_new_dispatch_mode(saved_registry):
+    """verl base/test_decorator.py::test_register_new_dispatch_mode: a new mode becomes a
+    Dispatch member that _check_dispatch_mode accepts, its functions sit in
+    DISPATCH_MODE_FN_REGISTRY as a two-key dict, and Dispatch.remove takes it away."""
 
     def my_dispatch(worker_group, *args, **kwargs):
         return args, kwargs
@@ -293,22 +310,42 @@ def test_register_new_dispatch_mode():
 
     register_dispatch_mode("COMPAT_TEST_MODE", my_dispatch, my_collect)
     try:
-        assert get_predefined_dispatch_fn(Dispatch.COMPAT_TEST_MODE) == {
-            "dispatch_fn": my_dispatch,
-            "collect_fn": my_collect,
+        _check_dispatch_mode(Dispatch.COMPAT_TEST_MODE)
+        assert DISPATCH_MODE_FN_REGISTRY[Dispatch.COMPAT_TEST_MODE] == {
+            "dispatch_fn": my_dispatch, "collect_fn": my_collect,
         }
-        with pytest.raises(ValueError):
+        assert get_predefined_dispatch_fn(Dispatch.COMPAT_TEST_MODE) is (
+            DISPATCH_MODE_FN_REGISTRY[Dispatch.COMPAT_TEST_MODE])
+        with pytest.raises(ValueError):  # verl's DynamicEnum.register: a taken name
             register_dispatch_mode("COMPAT_TEST_MODE", my_dispatch, my_collect)
     finally:
-        Dispatch.remove("COMPAT_TEST_MODE")
+        removed = Dispatch.remove("COMPAT_TEST_MODE")
+    assert repr(removed) == "Dispatch.COMPAT_TEST_MODE"
     assert not hasattr(Dispatch, "COMPAT_TEST_MODE")
+    # verl upper-cases mode names, on the way in and in remove.
+    lower = register_dispatch_mode("compat_lower", my_dispatch, my_collect)
+    assert Dispatch.COMPAT_LOWER is lower and Dispatch.remove("compat_lower") is lower
     with pytest.raises(KeyError):
-        Dispatch.remove("ONE_TO_ALL")  # built-in modes stay
+        Dispatch.remove("ONE_TO_ALL")  # built-in modes stay (rlcomm's choice)
 
 
-def test_update_existing_dispatch_mode():
-    """verl base/test_decorator.py::test_update_existing_dispatch_mode."""
-    original = get_predefined_dispatch_fn(Dispatch.ONE_TO_ALL)
+def test_check_dispatch_mode_asserts_like_verl():
+    """verl decorator._check_dispatch_mode / _check_execute_mode: a mode or a dict with
+    both keys passes; anything else raises AssertionError."""
+    _check_dispatch_mode(Dispatch.ONE_TO_ALL)
+    _check_dispatch_mode({"dispatch_fn": dispatch_one_to_all, "collect_fn": collect_all_to_all})
+    for bad in ("ONE_TO_ALL", None, {"dispatch_fn": dispatch_one_to_all}):
+        with pytest.raises(AssertionError):
+            _check_dispatch_mode(bad)
+    _check_execute_mode(Execute.RANK_ZERO)
+    with pytest.raises(AssertionError):
+        _check_execute_mode("ALL")
+
+
+def test_update_existing_dispatch_mode(saved_registry):
+    """verl base/test_decorator.py::test_update_existing_dispatch_mode: the registry
+    holds the new functions; restoring the registry (the fixture) gives ONE_TO_ALL its
+    built-in behaviour back."""
 
     def new_dispatch(worker_group, *args, **kwargs):
         return args, kwargs
@@ -316,17 +353,16 @@ def test_update_existing_dispatch_mode():
     def new_collect(worker_group, output):
         return output
 
-    try:
-        update_dispatch_mode(Dispatch.ONE_TO_ALL, new_dispatch, new_collect)
-        fns = get_predefined_dispatch_fn(Dispatch.ONE_TO_ALL)
-        assert fns["dispatch_fn"] is new_dispatch and fns["collect_fn"] is new_collect
-    finally:
-        update_dispatch_mode(Dispatch.ONE_TO_ALL, original["dispatch_fn"], original["collect_fn"])
-    assert get_predefined_dispatch_fn(Dispatch.ONE_TO_ALL)["dispatch_fn"] is dispatch_one_to_all
-    from rlcomm.single_controller.decorator import DispatchMode
-
+    update_dispatch_mode(Dispatch.ONE_TO_ALL, new_dispatch, new_collect)
+    assert DISPATCH_MODE_FN_REGISTRY[Dispatch.ONE_TO_ALL]["dispatch_fn"] is new_dispatch
+    assert DISPATCH_MODE_FN_REGISTRY[Dispatch.ONE_TO_ALL]["collect_fn"] is new_collect
+    assert mode_entry(Dispatch.ONE_TO_ALL).kind == "custom"
     with pytest.raises(AssertionError):  # verl asserts the mode exists
         update_dispatch_mode(DispatchMode("NEVER_REGISTERED"), new_dispatch, new_collect)
+    decorator_module.DISPATCH_MODE_FN_REGISTRY.clear()
+    decorator_module.DISPATCH_MODE_FN_REGISTRY.update(saved_registry)
+    assert get_predefined_dispatch_fn(Dispatch.ONE_TO_ALL)["dispatch_fn"] is dispatch_one_to_all
+    assert mode_entry(Dispatch.ONE_TO_ALL).kind == "one_to_all"
 
 
 # -- test_colocated_workers.py -------------------------------------------------------------

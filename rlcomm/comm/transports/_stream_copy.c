@@ -4,9 +4,10 @@
  * with the GIL released. On x86-64 the destination is written with non-temporal stores
  * (SSE2 movntdq: the data goes to memory without reading the destination's cache lines
  * first, and without evicting what the caches hold). bulk_copy.py uses it for large
- * copies into shared memory: on the 2-core test machine such a copy runs at about
- * 12 GB/s this way against 8 GB/s for memcpy, which only switches to such stores past
- * about 200 MiB. Elsewhere (or for overlapping ranges) it is memmove.
+ * copies into shared memory, where reading each destination line before writing it
+ * would double the memory traffic; memcpy only switches to such stores for copies of a
+ * few hundred MiB (docs/performance.md has the figures). Elsewhere (or for overlapping
+ * ranges) it is memmove.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

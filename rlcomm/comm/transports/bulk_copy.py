@@ -1,26 +1,27 @@
 """Large copies into and out of shared memory: written around the caches, and split
 across threads.
 
-Measured on the 2-core test machine (``scripts/bench_copy.py``, one thread unless said):
+Why two kinds of copy:
 - ``torch``'s ``copy_`` and the C library's ``memcpy`` write through the caches: each
-  destination line is read before it is written, at about 8 GB/s once the destination
-  is out of the cache. ``memcpy`` switches to non-temporal stores only past about
-  200 MiB.
+  destination line is read before it is written. Once the destination has left the
+  cache, that read costs as much memory traffic as the write. (``memcpy`` itself turns
+  to non-temporal stores only for copies of a few hundred MiB.)
 - Non-temporal stores (:mod:`~rlcomm.comm.transports._stream_copy`, a small C
-  extension) write a line without reading it first: about 12 GB/s, and about 18-19 GB/s
-  split over two threads (64 MiB in 3.5 ms against 5.3 ms for ``copy_`` split over two;
-  1 GiB in 0.06 s against 0.09 s).
-- But the written data then is not in the cache either. A receiver that copies a 1 MiB
-  payload out at once reads it from memory instead: the raw shared-memory transport
-  moved 1 MiB messages at 9.3-9.7 GB/s that way against 14-17 GB/s with cached copies,
-  in one run. At 1 MiB a cached copy also fits the caches, so the sender gains little.
+  extension) write a line without reading it first, and two threads of them keep the
+  memory bus busier than one.
+- But the written data then is not in the cache either. A receiver that copies a small
+  payload out at once reads it from memory instead of the cache, and a small cached copy
+  fits the caches anyway, so below a few MiB the sender gains little and the receiver
+  loses more.
 
 So :func:`copy` writes around the caches when the copy is at least
 :data:`PARALLEL_BYTES`, and leaves smaller ones to ``torch`` (which splits them across its
 own threads where it has them). A large copy is cut into page-aligned ranges: the
 calling thread copies the first and a small process-wide pool the others (the copy
-releases the GIL). Fresh memory faults in at about 1 GB/s per thread, so splitting
-helps there too. The ``copy_threads`` setting sets how many threads share one copy.
+releases the GIL). Fresh memory faults in page by page on the thread that first writes
+it, so splitting helps there too. The ``copy_threads`` setting sets how many threads
+share one copy. ``scripts/bench_copy.py`` measures the ways side by side; the figures of
+a run, and what else was tried, are in ``docs/performance.md``.
 
 Where the extension was not built (no C compiler at install), those copies go through
 ``memmove`` instead (:data:`STREAMS` is False).

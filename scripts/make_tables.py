@@ -1,0 +1,521 @@
+#!/usr/bin/env python
+"""Write the benchmark tables of the docs from the benchmarks' JSON, in one command.
+
+Every table of figures in ``README.md`` and ``docs/*.md`` sits between two markers::
+
+    <!-- make_tables: NAME -->
+    ...written by this script...
+    <!-- /make_tables -->
+
+and is made from the JSON a benchmark script wrote (``docs/bench_*.json``) by the
+renderer of that NAME below. So the README's headline and the full tables of
+``docs/performance.md`` come from the same numbers and cannot drift apart: after a new
+run (``python scripts/bench_loop.py --json docs/bench_loop.json``, say), run
+
+    python scripts/make_tables.py            # rewrite every marked region
+    python scripts/make_tables.py --check    # exit 1 if one is out of date (CI runs it)
+
+One region is special: ``readme-compare`` holds the README's comparison table, whose
+feature rows are written by hand. The script keeps those rows and rewrites only the rows
+that start with ``Measured``.
+
+Ratios are always taken within one run of one script, never across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+REGION = re.compile(
+    r"(?P<open><!-- make_tables: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- /make_tables -->)",
+    re.S,
+)
+#: Said of runs whose JSON does not describe the machine.
+DEV_MACHINE = "the 2-core development machine (x86-64, 24 GiB)"
+MIB = 1 << 20
+
+
+def load(name: str) -> dict[str, Any]:
+    with open(os.path.join(DOCS, name)) as f:
+        return json.load(f)
+
+
+def num(x: float | None) -> str:
+    """A figure with about three significant digits."""
+    if x is None:
+        return "-"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:#.3g}"
+
+
+def ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x"
+
+
+def size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_of(data: dict[str, Any], load: bool = True) -> str:
+    """Where a run ran, from its JSON's ``machine`` (a phrase, or a dict of facts); with
+    ``load``, the load average the JSON recorded."""
+    m = data.get("machine")
+    if isinstance(m, str):
+        return m
+    if not isinstance(m, dict):
+        return DEV_MACHINE
+    facts = [f"Python {m['python']}" if "python" in m else None,
+             f"torch {m['torch']}" if "torch" in m else None,
+             f"Ray {m['ray']}" if "ray" in m else None]
+    load_avg = m.get("loadavg") or m.get("loadavg_start")
+    if load_avg and load:
+        end = m.get("loadavg_end")
+        facts.append(f"load average {load_avg[0]:.1f} at the start"
+                     + (f", {end[0]:.1f} at the end" if end else ""))
+    text = ", ".join(f for f in facts if f)
+    if m.get("note"):
+        return f"{m['note']} ({text})"
+    if m.get("cpus") == 2:
+        return f"{DEV_MACHINE[:-1]}; {text})"
+    return f"a machine of {m.get('cpus', '?')} cores ({text})"
+
+
+def caption(script: str, json_name: str, data: dict[str, Any], extra: str = "") -> str:
+    return (f"*One run of `scripts/{script}`{extra} on {machine_of(data)}; "
+            f"`docs/{json_name}`.*\n\n")
+
+
+# -- scripts/bench_p2p.py ----------------------------------------------------------------
+
+P2P_BASELINES = ("raw gloo", "ray actor call", "ray zero-copy", "ray direct transport (gloo)")
+
+
+def render_p2p() -> str:
+    data = load("bench_p2p.json")
+    recs = data["records"]
+    by = {(r["path"], r["metric"], r["bytes"]): r["median"] for r in recs}
+    paths = list(dict.fromkeys(r["path"] for r in recs if r["metric"] == "GB/s"))
+    sizes = sorted({r["bytes"] for r in recs if r["metric"] == "GB/s" and r["bytes"] >= 64 << 10})
+    out = caption("bench_p2p.py", "bench_p2p.json", data)
+    out += table(["GB/s, median"] + [size(s) for s in sizes],
+                 [[p] + [num(by.get((p, "GB/s", s))) for s in sizes] for p in paths])
+    rows = []
+    for base in P2P_BASELINES:
+        cells = []
+        for s in sizes:
+            ours, theirs = by.get(("send/recv", "GB/s", s)), by.get((base, "GB/s", s))
+            cells.append(ratio(ours / theirs) if ours and theirs else "-")
+        rows.append([base] + cells)
+    out += "\n\n" + table(["send/recv faster than"] + [size(s) for s in sizes], rows)
+    lat_paths = list(dict.fromkeys(r["path"] for r in recs if r["metric"] == "latency_us"))
+    lat_sizes = sorted({r["bytes"] for r in recs if r["metric"] == "latency_us"})
+    out += "\n\n" + table(["one-way latency, µs (half a round trip)"] + [size(s) for s in lat_sizes],
+                          [[p] + [num(by.get((p, "latency_us", s))) for s in lat_sizes]
+                           for p in lat_paths])
+    cold = [r for r in recs if r["metric"] == "cold_ms"]
+    if cold:
+        out += (f"\n\nThe first `send/recv` between a fresh pair (the connection made on "
+                f"first contact included): {num(cold[0]['median'])} ms.")
+    return out
+
+
+# -- scripts/bench_copy.py ---------------------------------------------------------------
+
+COPY_COLUMNS = (("torch copy_", "`torch` `copy_`"), ("memmove", "`memmove`"),
+                ("stream", "non-temporal stores"),
+                ("torch copy_, 2 threads (before)", "`copy_` split over 2 threads"),
+                ("rlcomm bulk_copy, 2 threads", "rlcomm's copy (2 threads)"))
+
+
+def render_copy() -> str:
+    data = load("bench_copy.json")
+    rows = []
+    for case in data["seconds_per_copy"]:
+        rows.append([case["case"]] + [num(case["bytes"] / case[key] / 1e9) if key in case else "-"
+                                      for key, _ in COPY_COLUMNS])
+    return (caption("bench_copy.py", "bench_copy.json", {}, f" ({data['rounds']} rounds)")
+            + table(["GB/s, one copy"] + [label for _, label in COPY_COLUMNS], rows))
+
+
+# -- scripts/bench_broadcast.py ----------------------------------------------------------
+
+
+def render_broadcast() -> str:
+    data = load("bench_broadcast.json")
+    recs = data["records"]
+    receivers = sorted({r["receivers"] for r in recs})
+    by = {(r["path"], r["receivers"]): r for r in recs}
+    paths = list(dict.fromkeys(r["path"] for r in recs))
+    rows = [[f"`{p}`" if p.startswith("rlcomm") else p] + [
+        f"{num(by[p, n]['median'] * 1e3)} ({num(by[p, n]['first'] * 1e3)})" if (p, n) in by else "-"
+        for n in receivers] for p in paths]
+    for base in ("rlcomm send to each", "ray put + zero-copy gets"):
+        rows.append([f"`broadcast` faster than {base.removeprefix('rlcomm ')}"] + [
+            ratio(by[base, n]["median"] / by["rlcomm broadcast", n]["median"])
+            if (base, n) in by and ("rlcomm broadcast", n) in by else "-" for n in receivers])
+    mib = recs[0]["bytes"] // MIB
+    return (caption("bench_broadcast.py", "bench_broadcast.json", data)
+            + table([f"ms, {mib} MiB state dict, median (first round)"]
+                    + [f"1 → {n}" for n in receivers], rows))
+
+
+# -- scripts/bench_channel.py ------------------------------------------------------------
+
+
+def render_channel() -> str:
+    data = load("bench_channel.json")
+    tp = {(r["backend"], r["mode"], r["kind"]): r for r in data["throughput"]}
+    kinds = list(dict.fromkeys(r["kind"] for r in data["throughput"]))
+    rows = []
+    for kind in kinds:
+        for mode, label in (("one", "one at a time"), ("batched", "batches"),
+                            ("pipelined", "async puts, one get at a time")):
+            ours = tp.get(("rlcomm", mode, kind))
+            theirs = tp.get(("ray", mode if mode != "pipelined" else "one", kind))
+            if ours is None:
+                continue
+            what = f"{label} of {ours['batch']}" if mode == "batched" else label
+            if mode == "pipelined":
+                what += " (Ray: one at a time)"
+            rows.append([f"{kind}, {what}", num(ours["items_per_s"]),
+                         num(theirs["items_per_s"]) if theirs else "-",
+                         ratio(ours["items_per_s"] / theirs["items_per_s"]) if theirs else "-"])
+    out = caption("bench_channel.py", "bench_channel.json", data)
+    out += table(["items/s", "rlcomm channel", "ray.util.queue", "rlcomm faster"], rows)
+    lat = data.get("latency") or []
+    if lat:
+        out += "\n\n" + table(
+            ["µs per item", "send + recv round trip", "channel `put` alone", "channel `get` alone",
+             "Ray queue `put`", "Ray queue `get`"],
+            [[r["kind"], num(r["p2p_round_trip_us"]), num(r["rlcomm_put_us"]),
+              num(r["rlcomm_get_us"]), num(r["ray_put_us"]), num(r["ray_get_us"])] for r in lat])
+    return out
+
+
+# -- scripts/bench_flows.py --------------------------------------------------------------
+
+
+def _flows_sync(data: dict[str, Any]) -> dict[tuple[str, int], float]:
+    return {(r["path"], r["receivers"]): r["median_s"] for r in data["weight_sync"]}
+
+
+def render_flows() -> str:
+    data = load("bench_flows.json")
+    sync = _flows_sync(data)
+    receivers = sorted({n for _, n in sync})
+    paths = list(dict.fromkeys(p for p, _ in sync))
+    rows = [[p] + [num(sync[p, n] * 1e3) if (p, n) in sync else "-" for n in receivers]
+            for p in paths]
+    for ours, base in (("rlcomm broadcast", "ray zero-copy"),
+                       ("rlcomm broadcast, rlcomm.empty", "ray zero-copy"),
+                       ("rlcomm broadcast", "rlinf broadcast")):
+        if any((base, n) in sync for n in receivers):
+            rows.append([f"{ours} faster than {base}"] + [
+                ratio(sync[base, n] / sync[ours, n]) if (base, n) in sync and (ours, n) in sync
+                else "-" for n in receivers])
+    mib = data["weight_sync"][0]["bytes"] // MIB
+    out = caption("bench_flows.py", "bench_flows.json", data,
+                  f" (`--repeats {data['args']['repeats']} --stream-scale "
+                  f"{data['args']['stream_scale']}`)")
+    out += table([f"weight sync, {mib} MiB, ms until all hold it"]
+                 + [f"1 → {n}" for n in receivers], rows)
+    roll = data["rollout"]
+    gib = roll[0]["bytes"] / (1 << 30)
+    out += "\n\n" + table(
+        [f"rollout dict, {gib:g} GiB", "first three transfers, s", "warm, s", "warm GB/s"],
+        [[r["path"], ", ".join(num(x) for x in r["cold_s"]), num(r["warm_median_s"]),
+          num(r["warm_GBps"])] for r in roll])
+    stream = {(r["path"], r["kind"], r["mode"]): r for r in data["stream"]}
+    spaths = list(dict.fromkeys(r["path"] for r in data["stream"]))
+    cases = list(dict.fromkeys((r["kind"], r["mode"], r["batch"]) for r in data["stream"]))
+    srows = []
+    for kind, mode, batch in cases:
+        label = f"{kind}, one at a time" if mode == "one" else f"{kind}, batches of {batch}"
+        srows.append([label] + [num(stream[p, kind, mode]["items_per_s"])
+                                if (p, kind, mode) in stream else "-" for p in spaths])
+    out += "\n\n" + table(["channel stream, items/s"] + spaths, srows)
+    for s in data.get("skipped", []):
+        out += f"\n\nSkipped: {s['path']} ({s['flow']}): {s['why']}."
+    return out
+
+
+# -- scripts/bench_codec.py -------------------------------------------------------------
+
+
+def render_codec() -> str:
+    data = load("bench_codec.json")
+    facts = f"Python {data['python']}, torch {data['torch']}, msgspec {data['msgspec']}"
+    if data.get("loadavg"):
+        facts += f", load average {data['loadavg'][0]:.1f} at the end"
+    rows = [[r["step"], num(r["us"]), str(r["bytes"]) if r["bytes"] else "-"]
+            for r in data["rows"]]
+    return (f"*One run of `scripts/bench_codec.py` on {DEV_MACHINE[:-1]}; {facts}); "
+            f"`docs/bench_codec.json`. The message: a {data['message']}.*\n\n"
+            + table(["per message", "µs", "header bytes"], rows))
+
+
+# -- scripts/bench_gpu.py ----------------------------------------------------------------
+
+
+def render_gpu() -> str:
+    data = load("bench_gpu.json")
+    run = data.get("after", data)
+    recs = run["records"]
+    sizes = sorted({r["bytes"] for r in recs})
+    by = {(r["path"], r["bytes"]): r["GB/s"] for r in recs}
+    paths = list(dict.fromkeys(r["path"] for r in recs))
+    rows = []
+    for p in paths:
+        cells = []
+        for s in sizes:
+            gbps = by.get((p, s))
+            if gbps is None:
+                cells.append("-")
+            elif s < MIB:  # a small message: its time says more than its rate
+                secs = s / (gbps * 1e9)
+                cells.append(f"{num(secs * 1e3)} ms" if secs >= 1e-3 else f"{num(secs * 1e6)} µs")
+            else:
+                cells.append(num(gbps))
+        label = "device copy inside one process (the bound)" if p == "local copy" else p
+        rows.append([label] + cells)
+    header = [f"CUDA IPC, {run.get('gpus', 1)} GPU, GB/s (time per message when small)"]
+    return (f"*One run of `scripts/bench_gpu.py --gpus {run.get('gpus', 1)}` on "
+            f"{machine_of(data)}; `docs/bench_gpu.json`.*\n\n"
+            + table(header + [size(s) for s in sizes], rows))
+
+
+# -- scripts/bench_loop.py ---------------------------------------------------------------
+
+
+def _loop_runs(data: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["policy"], r["loop"]): r for r in data["runs"]}
+
+
+def _policy_label(run: dict[str, Any]) -> str:
+    n, nbytes = run["parameters"], run["weight_bytes"]
+    count = f"{num(n / 1e6)} M parameters" if n >= 1e6 else f"{n} parameters"
+    weights = f"{nbytes / 1e6:.0f} MB" if nbytes >= 1e7 else f"{nbytes / 1e3:.1f} KB"
+    return f"{run['policy']} ({count}, {weights})"
+
+
+def loop_table(data: dict[str, Any]) -> str:
+    """The full table of one ``bench_loop.py`` run (also printed by the script)."""
+    runs = _loop_runs(data)
+    policies = list(dict.fromkeys(p for p, _ in runs))
+    loops = list(dict.fromkeys(lp for _, lp in runs))
+    rows = []
+    for policy in policies:
+        for loop in loops:
+            run = runs.get((policy, loop))
+            if run is None:
+                continue
+            s = run["summary"]
+            rows.append([_policy_label(run), loop, _with_spread(run, "env_steps_per_s"),
+                         num(s["update_ms"]),
+                         num(s["weight_sync_ms"]), num(s.get("cpu_s_per_1k_steps")),
+                         num(s["steps_per_update"])])
+        base = runs.get((policy, "plain Ray"))
+        for loop in loops:
+            run = runs.get((policy, loop))
+            if loop == "plain Ray" or run is None or base is None:
+                continue
+            s, b = run["summary"], base["summary"]
+            rows.append(["", f"{loop} over plain Ray",
+                         ratio(s["env_steps_per_s"] / b["env_steps_per_s"]),
+                         ratio(_lower_better(s, b, "update_ms")),
+                         ratio(_lower_better(s, b, "weight_sync_ms")),
+                         ratio(_lower_better(s, b, "cpu_s_per_1k_steps")), ""])
+    return table(["policy", "loop", "env steps/s (range of the rounds)", "update, ms",
+                  "weight sync, ms",
+                  "CPU s per 1000 env steps", "env steps per update"], rows)
+
+
+def _with_spread(run: dict[str, Any], key: str) -> str:
+    """The median, and with several rounds the range of the rounds in parentheses."""
+    values = [r["summary"][key] for r in run.get("rounds", []) if r["summary"].get(key)]
+    text = num(run["summary"][key])
+    return f"{text} ({num(min(values))}-{num(max(values))})" if len(values) > 1 else text
+
+
+def _lower_better(ours: dict[str, Any], base: dict[str, Any], key: str) -> float | None:
+    """How many times less ``key`` (a time or a cost) rlcomm took than the baseline."""
+    a, b = ours.get(key), base.get(key)
+    return b / a if a and b else None
+
+
+def render_loop() -> str:
+    data = load("bench_loop.json")
+    a = data["args"]
+    rounds = a.get("rounds", 1)
+    extra = (f" ({a['rollout_workers']} rollout workers, {a['trainers']} trainer ranks, "
+             f"{a['updates']} updates of which the first {a['warmup']} are not timed"
+             + (f"; {rounds} rounds of each loop in alternating order, medians" if rounds > 1
+                else "") + ")")
+    return caption("bench_loop.py", "bench_loop.json", data, extra) + loop_table(data)
+
+
+def render_readme_loop() -> str:
+    data = load("bench_loop.json")
+    runs = _loop_runs(data)
+    policies = list(dict.fromkeys(p for p, _ in runs))
+    loops = [lp for lp in dict.fromkeys(lp for _, lp in runs) if lp == "rlcomm"]
+    rows = []
+    for policy in policies:
+        base = runs.get((policy, "plain Ray"))
+        if base is None:
+            continue
+        for key, label, higher in (("env_steps_per_s", "env steps/s", True),
+                                   ("update_ms", "update, ms", False),
+                                   ("weight_sync_ms", "weight sync, ms", False),
+                                   ("cpu_s_per_1k_steps", "CPU s per 1000 env steps", False)):
+            if base["summary"].get(key) is None:
+                continue
+            cells = [num(base["summary"][key])]
+            for loop in loops:
+                run = runs.get((policy, loop))
+                if run is None or run["summary"].get(key) is None or not base["summary"][key]:
+                    cells.append("-")
+                    continue
+                ours, theirs = run["summary"][key], base["summary"][key]
+                cells.append(f"{num(ours)} ({ratio(ours / theirs if higher else theirs / ours)})")
+            rows.append([f"{policy} policy: {label}"] + cells)
+    header = ["the demo's RL loop", "plain Ray", "rlcomm"]
+    return (f"*`scripts/bench_loop.py`, one run on {machine_of(data, load=False)}; in parentheses, how "
+            f"many times better than plain Ray. The full table, with the demo's own way of "
+            f"sending weights and with `rlcomm.empty`, is in "
+            f"[docs/performance.md](docs/performance.md#end-to-end-the-rl-loop).*\n\n"
+            + table(header, rows))
+
+
+# -- the README's comparison table -------------------------------------------------------
+
+
+def measured_rows() -> list[list[str]]:
+    """The comparison table's measured rows: `bench_flows.py`, one run, RLinf and Ray
+    beside rlcomm (verl and NeMo-RL move data through Ray's object store)."""
+    data = load("bench_flows.json")
+    sync = _flows_sync(data)
+    n = max(r for _, r in sync)
+    mib = data["weight_sync"][0]["bytes"] // MIB
+    roll = {r["path"]: r for r in data["rollout"]}
+    stream = {(r["path"], r["kind"], r["mode"]): r["items_per_s"] for r in data["stream"]}
+
+    def ms(path: str) -> str:
+        return f"{num(sync[path, n] * 1e3)} ms" if (path, n) in sync else "-"
+
+    def warm(path: str) -> str:
+        return f"{num(roll[path]['warm_GBps'])} GB/s" if path in roll else "-"
+
+    def items(path: str) -> str:
+        v = stream.get((path, "1 KiB", "one"))
+        return f"{num(v)}/s" if v else "-"
+
+    return [
+        [f"Measured: weight sync, {mib} MiB to {n} workers of one node",
+         ms("rlinf broadcast"), f"Ray: {ms('ray zero-copy')}", f"Ray: {ms('ray zero-copy')}",
+         f"{ms('rlcomm broadcast')}; {ms('rlcomm broadcast, rlcomm.empty')} with `rlcomm.empty`"],
+        ["Measured: a 1 GiB rollout dict, producer to consumer (warm)",
+         warm("rlinf send/recv"), f"Ray: {warm('ray zero-copy')}", f"Ray: {warm('ray zero-copy')}",
+         warm("rlcomm send/recv")],
+        ["Measured: a channel of 1 KiB items, one put and one get at a time",
+         items("rlinf channel"), f"Ray queue: {items('ray.util.queue')}",
+         f"Ray queue: {items('ray.util.queue')}", items("rlcomm channel")],
+    ]
+
+
+def rewrite_compare(body: str) -> str:
+    lines = body.rstrip("\n").split("\n")
+    kept = [ln for ln in lines if not ln.startswith("| Measured")]
+    rows = ["| " + " | ".join(r) + " |" for r in measured_rows()]
+    return "\n".join(kept + rows) + "\n"
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "p2p": render_p2p,
+    "copy": render_copy,
+    "broadcast": render_broadcast,
+    "channel": render_channel,
+    "flows": render_flows,
+    "gpu": render_gpu,
+    "codec": render_codec,
+    "loop": render_loop,
+    "readme-loop": render_readme_loop,
+}
+
+
+def rewrite(text: str, where: str) -> str:
+    def one(m: re.Match) -> str:
+        name = m.group("name")
+        if name == "readme-compare":
+            body = rewrite_compare(m.group("body"))
+        elif name in RENDERERS:
+            body = RENDERERS[name]().rstrip("\n") + "\n"
+        else:
+            raise SystemExit(f"{where}: no renderer for region {name!r} "
+                             f"(known: {', '.join(sorted(RENDERERS))}, readme-compare)")
+        return m.group("open") + body + m.group("close")
+
+    return REGION.sub(one, text)
+
+
+def pages() -> list[str]:
+    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(DOCS, "**", "*.md"),
+                                                               recursive=True))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a region is not what the JSON gives")
+    args = parser.parse_args()
+    stale = []
+    for path in pages():
+        with open(path) as f:
+            text = f.read()
+        if "<!-- make_tables:" not in text:
+            continue
+        new = rewrite(text, os.path.relpath(path, ROOT))
+        if new == text:
+            continue
+        stale.append(os.path.relpath(path, ROOT))
+        if not args.check:
+            with open(path, "w") as f:
+                f.write(new)
+    if args.check and stale:
+        print(f"make_tables: out of date with docs/bench_*.json: {', '.join(stale)}; "
+              "run `python scripts/make_tables.py`", file=sys.stderr)
+        return 1
+    verb = "in sync" if args.check else ("rewrote " + ", ".join(stale) if stale else "nothing to do")
+    print(f"make_tables: {verb}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
