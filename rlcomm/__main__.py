@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         "status", help="show what every rlcomm process of the running job is doing")
     status.add_argument("--address", help="the Ray to attach to (default: RAY_ADDRESS, else "
                         "the Ray started on this machine)")
-    status.add_argument("--timeout", type=float, default=2.0,
-                        help="seconds each process has to answer (default 2)")
+    status.add_argument("--timeout", type=float, default=1.0,
+                        help="seconds each process has to answer (default 1)")
     status.add_argument("--json", action="store_true", help="print JSON instead of tables")
     status.add_argument("--recent", type=int, default=5,
                         help="ended ops shown per process from its flight recorder (default 5)")

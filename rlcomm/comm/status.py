@@ -245,7 +245,7 @@ class JobStatus:
         return self.table()
 
 
-def job_status(timeout: float = 2.0, secret: bytes | None = None,
+def job_status(timeout: float = 1.0, secret: bytes | None = None,
                endpoints: dict[str, bytes] | None = None) -> JobStatus:
     """Ask every rlcomm process of the job on the attached Ray (workers, channel
     workers, drivers) for its report, all at once, each within ``timeout`` seconds.

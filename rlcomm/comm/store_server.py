@@ -647,7 +647,9 @@ class StoreServer:
         self._last_log = now
         new = {k: v - self._logged[k] for k, v in self.counts.items()}
         self._logged = dict(self.counts)
-        if any(new.values()):
+        # A client that closed its own connection before proving anything (one that gave
+        # up on a stopped process, a port scan) is no sign of an attack: not logged.
+        if any(v for k, v in new.items() if k != "closed_unproven"):
             logger.warning(
                 "store %s:%s: in the last %.0fs, connections ended without proving they "
                 "belong to this job: %d sent no proof within %ss, %d a wrong one, %d were "
