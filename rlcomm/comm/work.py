@@ -50,6 +50,9 @@ class AsyncWork:
             peer was doing; see :meth:`rlcomm.comm.manager.CommManager.explain`).
     """
 
+    #: See ``explain`` above (a class default: adapters may not call ``__init__``).
+    _explain: Callable[[CommError], CommError] | None = None
+
     def __init__(
         self,
         future: concurrent.futures.Future | None,
