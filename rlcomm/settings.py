@@ -124,8 +124,8 @@ class Settings:
         4096, "most connections one rlcomm store keeps open; past it the oldest that has "
         "not proven itself is dropped; read when the store starts", minimum=2)
     flight_recorder_ops: int = _setting(
-        256, "finished point-to-point and broadcast ops each process remembers for "
-        "`rlcomm status` (0: none)", live=False, minimum=0)
+        256, "ended ops (point-to-point, broadcast, waited-for channel requests) each "
+        "process remembers for `rlcomm status` (0: none)", live=False, minimum=0)
     hang_analysis_timeout: float = _setting(
         1.0, "seconds a timed-out or failed op asks its peer what it is doing, for the "
         "error's analysis (0: never ask)", minimum=0)

@@ -11,6 +11,7 @@ from rlcomm.channel.itemtype import check_put
 from rlcomm.channel.prefetch import batch_with
 from rlcomm.channel.requester import Requester
 from rlcomm.channel.routing import REPLY_GRACE
+from rlcomm.comm.flight import RECORDER
 from rlcomm.comm.options import default_timeout
 from rlcomm.comm.work import AsyncWork
 
@@ -111,5 +112,15 @@ class ChannelRequests:
         the worker's answer, then withdraws the request.
         """
         work = requester.request(req, timeout + REPLY_GRACE, tensors, not async_op)
-        return work if async_op else work.wait()
+        if async_op:
+            return work
+        # A blocking request is an op this process waits in: the flight recorder shows it.
+        key = RECORDER.begin(f"channel {P.op_name(req)}", self._info.name)
+        try:
+            result = work.wait()
+        except BaseException as exc:
+            RECORDER.end(key, exc)
+            raise
+        RECORDER.end(key)
+        return result
 

@@ -1,6 +1,7 @@
 """The flight recorder: the point-to-point and broadcast ops of this process that are
-under way, and the last ones that ended (a small ring), for ``rlcomm status`` and for
-the analysis in a timeout's error (:mod:`rlcomm.comm.status`).
+under way (and the channel requests it waits for), and the last ones that ended (a
+small ring), for ``rlcomm status`` and for the analysis in a timeout's error
+(:mod:`rlcomm.comm.status`).
 
 Recording is on every message's path, so it is cheap and takes no lock: an op is a
 tuple put into a dict when it begins and moved into the ring when it ends. Under the

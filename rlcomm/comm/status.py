@@ -146,8 +146,9 @@ _TOWARD = {"send": "to", "send_tensor": "to", "recv": "from", "recv_tensor": "fr
 
 
 def op_text(op: str, peer: object) -> str:
-    """``"send to trainer:1"``, ``"recv from rollout:3"``."""
-    return f"{op} {_TOWARD.get(op, 'with')} {peer}"
+    """``"send to trainer:1"``, ``"recv from rollout:3"``, ``"channel get on rollouts"``."""
+    toward = _TOWARD.get(op, "on" if op.startswith("channel ") else "with")
+    return f"{op} {toward} {peer}"
 
 
 def _seconds(s: float) -> str:
