@@ -244,8 +244,8 @@ class CommManager:
                 RECORDER.end(key, exc)
                 raise
             fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
-            return AsyncWork(fut, what, timeout,
-                             explain=lambda exc: self.explain(exc, op, dst, key, timeout))
+            return AsyncWork(fut, what, timeout, explain=lambda exc, waited: self.explain(
+                exc, op, dst, key, timeout if waited is None else waited))
         try:
             self._check_first_contact(conn, options, timeout)
             conn.send_inline(header, tensors, timeout)
@@ -288,8 +288,8 @@ class CommManager:
 
         if async_op:
             what = f"{op} at {self.address} from {src}"
-            return AsyncWork(conn.run_async(run), what, timeout,
-                             explain=lambda exc: self.explain(exc, op, src, key, timeout))
+            return AsyncWork(conn.run_async(run), what, timeout, explain=lambda exc, waited:
+                             self.explain(exc, op, src, key, timeout if waited is None else waited))
         try:
             return run()
         except CommError as exc:
@@ -332,9 +332,10 @@ class CommManager:
             raise
         fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
 
-        def explain(exc: CommError) -> CommError:
+        def explain(exc: CommError, waited: float | None) -> CommError:
             peer = exc.peer if isinstance(exc.peer, WorkerAddress) else source
-            return self.explain(exc, "broadcast", peer, key, timeout)
+            return self.explain(exc, "broadcast", peer, key,
+                                timeout if waited is None else waited)
 
         work = AsyncWork(fut, f"broadcast at {self.address} from {source}", timeout,
                          explain=explain)
@@ -346,9 +347,10 @@ class CommManager:
         self, exc: CommError, op: str, peer: WorkerAddress, key: int, timeout: float
     ) -> CommError:
         """``exc`` with an analysis of the hang (see :func:`status.analysis`): for a
-        ``CommTimeoutError`` of an op whose timeout was 1 s or more, or a
-        ``PeerLostError``, when the ``hang_analysis_timeout`` setting is not 0. Other
-        errors come back as they are."""
+        ``CommTimeoutError`` after a wait of 1 s or more (``timeout``: the op's timeout,
+        or that of the ``AsyncWork.wait`` that ran out), or a ``PeerLostError``, when
+        the ``hang_analysis_timeout`` setting is not 0. Other errors come back as they
+        are."""
         ask = get_settings().hang_analysis_timeout
         if (
             ask <= 0

@@ -74,6 +74,17 @@ class HangWorker(Worker):
         for i in range(count):
             ch.put(i, key=key)
 
+    def async_recv_waits(self, group, rank) -> tuple[str, str]:
+        """The errors of a short and of a long wait on an async recv that gets nothing."""
+        work = self.recv(group, rank, async_op=True, options=CollectiveGroupOptions(timeout=60))
+        texts = []
+        for seconds in (0.2, 1.5):
+            try:
+                work.wait(timeout=seconds)
+            except CommError as exc:
+                texts.append(str(exc))
+        return tuple(texts)
+
     def expect_error(self, method, *args, **kwargs):
         start = time.monotonic()
         try:
@@ -219,6 +230,12 @@ def test_a_timed_out_recv_says_what_its_peer_is_doing(job):
     finally:
         job.execute_on(8).send_one("release", GROUP, 7).wait(timeout=60)
         assert blocked.wait(timeout=60) == ["release"]
+    # A short wait on an async op (polling) does not ask; a wait of a second or more does.
+    short, long = job.execute_on(6).async_recv_waits(GROUP, 10).wait(timeout=60)[0]
+    assert "analysis" not in short and "did not complete within 0.2s" in short, short
+    assert f"analysis: {GROUP}:6 is in recv from {GROUP}:10 since" in long, long
+    assert f"{GROUP}:10 is in no rlcomm op" in long, long
+    job.execute_on(10).send_one("end", GROUP, 6).wait(timeout=60)  # the async recv takes it
     pid = job.execute_on(9).pid().wait(timeout=30)[0]
     os.kill(pid, signal.SIGSTOP)
     try:
