@@ -257,13 +257,19 @@ def job_status(timeout: float = 1.0, secret: bytes | None = None,
         endpoints: the endpoints to ask, by address (default: the registry's).
 
     Raises:
-        RlcommError: no Ray is attached, or no rlcomm job runs on it.
+        RlcommError: no Ray is attached and ``RAY_ADDRESS`` names none, or no rlcomm
+            job runs on it.
     """
     import ray
 
+    from rlcomm.cluster import connect_ray
     from rlcomm.comm.identity.registry import find_registry
+    from rlcomm.settings import get_settings
 
     start = time.monotonic()
+    if not ray.is_initialized():  # never start a Ray of our own: there is no job in it
+        connect_ray(os.environ.get("RAY_ADDRESS") or None, get_settings().connect_timeout,
+                    start_local=False)
     if endpoints is None or secret is None:
         reg = find_registry()
         got = ray.get([reg.endpoints.remote(), reg.secret.remote()], timeout=30)

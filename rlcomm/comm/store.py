@@ -63,7 +63,7 @@ from rlcomm.comm.store_wire import (
     recv_frame,
     send_frame,
 )
-from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+from rlcomm.errors import AuthenticationError, CommError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
 logger = logging.getLogger(__name__)
@@ -304,11 +304,12 @@ class StoreClient(dist.Store):
         Raises:
             CommTimeoutError: the report was not made within ``timeout`` seconds (the
                 store's own timeout when ``None``); the connection is then closed.
+            CommError: making the report failed in the server's process.
         """
         seconds = self._timeout_s if timeout is None else timeout
         ok, value = self._link.call([OP_STATUS, detail], seconds, strict=True)
         if not ok:
-            raise CommTimeoutError(f"store {self._link.where}: {value}")
+            raise CommError(f"store {self._link.where}: {value}")
         return value  # type: ignore[return-value]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:

@@ -253,21 +253,33 @@ class StoreServer:
                 _drain(self._wake_r)
             else:
                 client: _Client = key.data
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(client, now)
-                if mask & selectors.EVENT_READ and client in self._clients:
-                    self._read(client, now)
+                try:
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(client, now)
+                    if mask & selectors.EVENT_READ and client in self._clients:
+                        self._read(client, now)
+                except Exception:  # noqa: BLE001 - a bug must cost one client, not the store
+                    self._failed(client)
         now = time.monotonic()
         self._finish_status(now)
         for client in list(self._ready):
             self._ready.discard(client)
-            self._serve(client, now)
+            try:
+                self._serve(client, now)
+            except Exception:  # noqa: BLE001 - as above
+                self._failed(client)
         self._expire(now)
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             self._sel.register(self._listener, selectors.EVENT_READ)
         if now - self._last_log >= _LOG_EVERY:
             self._log_drops(now)
+
+    def _failed(self, client: _Client) -> None:
+        logger.exception("store %s:%s: serving client %s failed; it is dropped",
+                         self.host, self.port, client.addr)
+        client.session.end("failed in the server")
+        self._drop(client)
 
     def _next_timeout(self, now: float) -> float | None:
         deadlines = []
