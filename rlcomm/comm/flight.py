@@ -14,6 +14,7 @@ record at once without contending for anything. A reader copies the dict and the
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Any, NamedTuple
 
@@ -88,6 +89,11 @@ class FlightRecorder:
                 return ended.op
         return None
 
+    def clear(self) -> None:
+        """Forget every op (a forked child starts with none of its parent's)."""
+        self.pending = {}
+        self._ring = [None] * max(self.size, 1)
+
     def under_way(self) -> list[tuple[int, Op]]:
         """The ops under way, oldest first."""
         return [(key, Op(*entry)) for key, entry in sorted(self.pending.copy().items())]
@@ -101,6 +107,7 @@ class FlightRecorder:
 
 #: This process's recorder.
 RECORDER = FlightRecorder(get_settings().flight_recorder_ops)
+os.register_at_fork(after_in_child=RECORDER.clear)
 
 
 def nbytes_of(tensors: list[Any]) -> int:

@@ -54,6 +54,10 @@ OPS = "ops"
 _sections: dict[str, Callable[[], Any]] = {}
 
 
+# A forked child reports about itself: its own manager adds its sections again.
+os.register_at_fork(after_in_child=_sections.clear)
+
+
 def add_section(name: str, provider: Callable[[], Any]) -> None:
     """Add (or replace) a part of this process's report: ``provider()`` returns plain
     data (dicts, lists, str, numbers). Sections named ``channel:<name>`` are listed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 
 from rlcomm.comm import status
@@ -104,3 +105,22 @@ def test_the_status_table_lists_who_did_not_answer():
     assert "NOT ANSWERING" in text and "it did not answer within 1 s" in text
     assert "recv from r:3 (41 s)" in text and "CONNECTIONS" in text and "gloo" in text
     assert JobStatus(workers, 1.0).to_dict()["workers"][1]["state"] == "not answering"
+
+
+def test_a_forked_child_starts_with_an_empty_recorder():
+    from rlcomm.comm.flight import RECORDER
+
+    key = RECORDER.begin("recv", "parent's peer")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it holds, and go
+        os.write(w, f"{len(RECORDER.pending)} {len(RECORDER.recent())}".encode())
+        os._exit(0)
+    try:
+        os.waitpid(pid, 0)
+        assert os.read(r, 64) == b"0 0"
+        assert key in RECORDER.pending  # the parent's own is untouched
+    finally:
+        RECORDER.end(key)
+        os.close(r)
+        os.close(w)
