@@ -32,6 +32,24 @@ class Op(NamedTuple):
     nbytes: int
     started: float
 
+    @classmethod
+    def of(cls, entry: tuple) -> Op:
+        """An op from a recorded entry, whose size may be a message's header (counted
+        now: a send records its header, not the sum it would cost to make per message)."""
+        op, peer, size, started = entry
+        return cls(op, peer, size if type(size) is int else size_of(size), started)
+
+
+def size_of(header: Any) -> int:
+    """The bytes of the tensors a message's header describes (-1 if it describes none)."""
+    metas = getattr(header, "tensors", None)
+    if metas is None:
+        return -1
+    try:
+        return sum(m.nbytes for m in metas)
+    except Exception:  # noqa: BLE001 - a size is only shown; an odd header shows none
+        return -1
+
 
 class Ended(NamedTuple):
     """An op that ended: the op, its id, when it ended, and the class name of its error
@@ -61,10 +79,12 @@ class FlightRecorder:
         self._ended = itertools.count()
         self._ring: list[tuple | None] = [None] * max(size, 1)
 
-    def begin(self, op: str, peer: Any, nbytes: int = -1) -> int:
-        """Record that ``op`` with ``peer`` begins; returns its id for :meth:`end`."""
+    def begin(self, op: str, peer: Any, size: Any = -1) -> int:
+        """Record that ``op`` with ``peer`` begins; returns its id for :meth:`end`.
+        ``size``: its bytes, or the message's header (:func:`size_of`, counted only
+        when the op is shown)."""
         key = next(self._ids)
-        self.pending[key] = (op, peer, nbytes, _monotonic())
+        self.pending[key] = (op, peer, size, _monotonic())
         return key
 
     def end(self, key: int, error: BaseException | None = None) -> None:
@@ -83,7 +103,7 @@ class FlightRecorder:
         """Op ``key``, under way or among the ended ops the ring still holds."""
         entry = self.pending.get(key)
         if entry is not None:
-            return Op(*entry)
+            return Op.of(entry)
         for ended in self.recent():
             if ended.key == key:
                 return ended.op
@@ -96,22 +116,15 @@ class FlightRecorder:
 
     def under_way(self) -> list[tuple[int, Op]]:
         """The ops under way, oldest first."""
-        return [(key, Op(*entry)) for key, entry in sorted(self.pending.copy().items())]
+        return [(key, Op.of(entry)) for key, entry in sorted(self.pending.copy().items())]
 
     def recent(self) -> list[Ended]:
         """The ended ops the ring holds, in the order they ended."""
         ring = self._ring.copy() if self.size else []
-        ended = [Ended(Op(*e[0]), e[1], e[2], e[3]) for e in ring if e is not None]
+        ended = [Ended(Op.of(e[0]), e[1], e[2], e[3]) for e in ring if e is not None]
         return sorted(ended, key=lambda e: e.ended)
 
 
 #: This process's recorder.
 RECORDER = FlightRecorder(get_settings().flight_recorder_ops)
 os.register_at_fork(after_in_child=RECORDER.clear)
-
-
-def nbytes_of(tensors: list[Any]) -> int:
-    """The bytes of a message's tensors."""
-    if len(tensors) == 1:
-        return tensors[0].nbytes
-    return sum(t.nbytes for t in tensors)

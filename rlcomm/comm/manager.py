@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rlcomm.comm import codec, status
 from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.connection import Connection
-from rlcomm.comm.flight import RECORDER, nbytes_of
+from rlcomm.comm.flight import RECORDER
 from rlcomm.comm.handshake import Handshake, parse_address  # noqa: F401 - parse_address: the channel uses it from here
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.identity.registry import job_secret, registry
@@ -232,7 +232,7 @@ class CommManager:
         conn = self.connection(dst, options)
         timeout = op_timeout(options)
         op = "send_tensor" if raw else "send"
-        key = RECORDER.begin(op, dst, nbytes_of(tensors))
+        key = RECORDER.begin(op, dst, header)
         if async_op:
             what = f"{op} from {self.address} to {dst}"
             check = None
@@ -270,7 +270,7 @@ class CommManager:
         if _cuda_available() and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
         op = "recv" if into is None else "recv_tensor"
-        key = RECORDER.begin(op, src, -1 if into is None else into.nbytes)
+        key = RECORDER.begin(op, src)
 
         def run() -> Any:
             try:
