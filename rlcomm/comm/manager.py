@@ -55,6 +55,10 @@ from rlcomm.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
+# The flight recorder's methods, bound once: they run for every message.
+_begin = RECORDER.begin
+_end = RECORDER.end
+
 _encode_fields = msgspec.msgpack.Encoder().encode
 _decode_fields = msgspec.msgpack.Decoder(dict | None).decode
 
@@ -232,7 +236,7 @@ class CommManager:
         conn = self.connection(dst, options)
         timeout = op_timeout(options)
         op = "send_tensor" if raw else "send"
-        key = RECORDER.begin(op, dst, header)
+        key = _begin(op, dst, header)
         if async_op:
             what = f"{op} from {self.address} to {dst}"
             check = None
@@ -241,7 +245,7 @@ class CommManager:
             try:
                 fut = conn.submit_send(header, tensors, timeout, check)
             except BaseException as exc:
-                RECORDER.end(key, exc)
+                _end(key, exc)
                 raise
             fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
             return AsyncWork(fut, what, timeout, explain=lambda exc, waited: self.explain(
@@ -250,11 +254,11 @@ class CommManager:
             self._check_first_contact(conn, options, timeout)
             conn.send_inline(header, tensors, timeout)
         except BaseException as exc:
-            RECORDER.end(key, exc)
+            _end(key, exc)
             if isinstance(exc, CommError):
                 raise self.explain(exc, op, dst, key, timeout)  # noqa: B904 - the same error
             raise
-        RECORDER.end(key)
+        _end(key)
         return None
 
     def recv(
@@ -270,7 +274,7 @@ class CommManager:
         if _cuda_available() and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
         op = "recv" if into is None else "recv_tensor"
-        key = RECORDER.begin(op, src)
+        key = _begin(op, src)
 
         def run() -> Any:
             try:
@@ -281,9 +285,9 @@ class CommManager:
                     result = conn.recv_object(ticket, timeout, device)
             except BaseException as exc:
                 conn.release_ticket(ticket)  # unless served: every early exit gives it up
-                RECORDER.end(key, exc)
+                _end(key, exc)
                 raise
-            RECORDER.end(key)
+            _end(key)
             return result
 
         if async_op:
@@ -324,11 +328,11 @@ class CommManager:
         timeout = op_timeout(options)
         group = self._broadcast_group(tuple(members), timeout)
         source = members[src_index]
-        key = RECORDER.begin("broadcast", source)
+        key = _begin("broadcast", source)
         try:
             fut = group.submit(obj, src_index, timeout)
         except BaseException as exc:
-            RECORDER.end(key, exc)
+            _end(key, exc)
             raise
         fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
 
@@ -368,7 +372,7 @@ class CommManager:
                 ep = decode_endpoint(data) if data is not None else None
             except Exception:  # noqa: BLE001 - the analysis then says it could not ask
                 ep = None
-        text = status.analysis(self.address, op, peer, entry.started if entry else None,
+        text = status.analysis(self.address, op, peer, entry.began if entry else None,
                                ep, self._secret, ask)
         return status.with_analysis(exc, text)
 

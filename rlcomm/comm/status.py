@@ -38,7 +38,7 @@ from typing import Any
 
 import msgspec
 
-from rlcomm.comm.flight import RECORDER, Ended, Op
+from rlcomm.comm.flight import RECORDER, Op
 from rlcomm.comm.rendezvous import Endpoint, decode_endpoint
 from rlcomm.comm.store import StoreClient
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, RlcommError
@@ -75,13 +75,14 @@ def remove_section(name: str) -> None:
 
 def _op_dict(op: Op, now: float) -> dict[str, Any]:
     return {"op": op.op, "peer": str(op.peer), "bytes": op.nbytes,
-            "age_s": round(now - op.started, 3)}
+            "age_s": round(now - op.began, 3)}
 
 
-def _ended_dict(e: Ended, now: float) -> dict[str, Any]:
-    return {"op": e.op.op, "peer": str(e.op.peer), "bytes": e.op.nbytes,
-            "ago_s": round(now - e.ended, 3), "took_s": round(e.ended - e.op.started, 6),
-            "error": e.error}
+def _ended_dict(op: Op, now: float) -> dict[str, Any]:
+    ended = op.ended if op.ended is not None else now
+    return {"op": op.op, "peer": str(op.peer), "bytes": op.nbytes,
+            "ago_s": round(now - ended, 3), "took_s": round(ended - op.began, 6),
+            "error": op.error}
 
 
 def report(detail: str = "") -> bytes:
@@ -89,7 +90,7 @@ def report(detail: str = "") -> bytes:
     :data:`OPS`: only the ops under way and the last one that ended."""
     now = time.monotonic()
     out: dict[str, Any] = {"pid": os.getpid(), "time": time.time()}
-    out["pending"] = [_op_dict(op, now) for _, op in RECORDER.under_way()]
+    out["pending"] = [_op_dict(op, now) for op in RECORDER.under_way()]
     recent = RECORDER.recent()
     if detail == OPS:
         out["recent"] = [_ended_dict(e, now) for e in recent[-1:]]

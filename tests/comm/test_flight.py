@@ -6,25 +6,45 @@ import concurrent.futures
 import os
 import threading
 
+import torch
+
 from rlcomm.comm import status
-from rlcomm.comm.flight import FlightRecorder
+from rlcomm.comm.flight import FlightRecorder, size_of
 from rlcomm.comm.status import JobStatus, op_text, peer_activity
 from rlcomm.errors import CommTimeoutError, PeerLostError
 
 
-def test_ops_under_way_and_the_ring_of_ended_ones():
+def test_ops_under_way_and_the_ring_of_the_last_ones():
     rec = FlightRecorder(4)
     first = rec.begin("recv", "rollout:3")
     keys = [rec.begin("send", f"trainer:{i}", 16) for i in range(6)]
     for k in keys:
         rec.end(k)
-    assert [op.op for _, op in rec.under_way()] == ["recv"]  # still under way
+    # The recv is under way: kept although the ring moved on past it.
+    assert [op.op for op in rec.under_way()] == ["recv"]
     ended = rec.recent()
-    assert [e.op.peer for e in ended] == [f"trainer:{i}" for i in range(2, 6)]  # the last 4
-    assert all(e.error is None and e.op.nbytes == 16 for e in ended)
-    rec.end(first, CommTimeoutError("nothing arrived"))
-    assert rec.under_way() == [] and rec.recent()[-1].error == "CommTimeoutError"
+    assert [op.peer for op in ended] == [f"trainer:{i}" for i in range(2, 6)]  # the last 4
+    assert all(op.error is None and op.nbytes == 16 and op.ended >= op.began for op in ended)
     assert rec.find(first).peer == "rollout:3" and rec.find(keys[0]) is None  # overwritten
+    rec.end(first, CommTimeoutError("nothing arrived"))
+    assert rec.under_way() == [] and rec.find(first) is None  # its slot was reused
+
+
+def test_a_failed_op_keeps_the_name_of_its_error():
+    rec = FlightRecorder(8)
+    k = rec.begin("recv", "b:0")
+    rec.end(k, CommTimeoutError("nothing arrived"))
+    assert [(op.op, op.error) for op in rec.recent()] == [("recv", "CommTimeoutError")]
+
+
+def test_a_send_records_its_header_and_shows_its_bytes():
+    from rlcomm.comm import codec
+
+    header, _ = codec.encode({"a": torch.ones(4), "b": torch.ones(2, dtype=torch.float64)})
+    rec = FlightRecorder(8)
+    rec.end(rec.begin("send", "p", header))
+    assert rec.recent()[0].nbytes == 4 * 4 + 2 * 8
+    assert size_of(7) == 7 and size_of(object()) == -1
 
 
 def test_an_async_op_ends_with_its_future():
@@ -37,7 +57,7 @@ def test_an_async_op_ends_with_its_future():
     other = rec.begin("recv", "y")
     cancelled.add_done_callback(lambda f: rec.end_future(other, f))
     cancelled.cancel()
-    assert [(e.op.op, e.error) for e in rec.recent()] == [("send", "PeerLostError"),
+    assert [(op.op, op.error) for op in rec.recent()] == [("send", "PeerLostError"),
                                                           ("recv", None)]
 
 
@@ -59,7 +79,7 @@ def test_threads_record_at_once_and_nothing_is_lost():
 def test_a_recorder_of_size_zero_keeps_only_ops_under_way():
     rec = FlightRecorder(0)
     k = rec.begin("send", "p")
-    assert rec.under_way()[0][1].op == "send"
+    assert rec.under_way()[0].op == "send"
     rec.end(k)
     assert rec.recent() == [] and rec.under_way() == []
 
