@@ -18,6 +18,8 @@ from rlcomm.comm.work import AsyncWork
 #: What an async put that gets no reply returns (one for all: a finished work is never
 #: changed by waiting on it).
 _SENT = AsyncWork.completed(None, "put")
+#: ``(request class, nowait) -> "channel get"``: the flight recorder's names of requests.
+_OP_NAMES: dict[tuple[type, bool], str] = {}
 
 
 class ChannelRequests:
@@ -115,7 +117,11 @@ class ChannelRequests:
         if async_op:
             return work
         # A blocking request is an op this process waits in: the flight recorder shows it.
-        key = RECORDER.begin(f"channel {P.op_name(req)}", self._info.name)
+        kind = (type(req), getattr(req, "nowait", False))
+        name = _OP_NAMES.get(kind)
+        if name is None:
+            name = _OP_NAMES[kind] = f"channel {P.op_name(req)}"
+        key = RECORDER.begin(name, self._info.name)
         try:
             result = work.wait()
         except BaseException as exc:

@@ -292,7 +292,14 @@ class CommManager:
 
         if async_op:
             what = f"{op} at {self.address} from {src}"
-            return AsyncWork(conn.run_async(run), what, timeout, explain=lambda exc, waited:
+            try:
+                fut = conn.run_async(run)
+            except BaseException as exc:
+                _end(key, exc)
+                raise
+            # A receive cancelled before it ran (its connection closed) ends here too.
+            fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
+            return AsyncWork(fut, what, timeout, explain=lambda exc, waited:
                              self.explain(exc, op, src, key, timeout if waited is None else waited))
         try:
             return run()
