@@ -50,6 +50,9 @@ _decode = msgspec.msgpack.Decoder().decode
 #: anything else the full report.
 OPS = "ops"
 
+#: Processes :func:`job_status` asks at once (each ask is a thread waiting on a socket).
+_ASK_AT_ONCE = 128
+
 #: ``name -> provider``: parts of this process's report (``provider()`` -> plain data).
 _sections: dict[str, Callable[[], Any]] = {}
 
@@ -303,7 +306,8 @@ def job_status(timeout: float = 1.0, secret: bytes | None = None,
             return None, exc, time.monotonic() - t0
 
     if asks:
-        pool = concurrent.futures.ThreadPoolExecutor(min(32, len(asks)), "rlcomm-status-ask")
+        pool = concurrent.futures.ThreadPoolExecutor(min(_ASK_AT_ONCE, len(asks)),
+                                                   "rlcomm-status-ask")
         try:
             futures = {a: pool.submit(one, ep) for a, ep in asks.items()}
             for address, fut in futures.items():
