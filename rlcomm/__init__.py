@@ -6,6 +6,7 @@ from rlcomm.cluster import Cluster
 from rlcomm.comm.codec import set_strict_mode
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout, set_memory_limits
+from rlcomm.comm.status import JobStatus, job_status
 from rlcomm.comm.transports.shm_handover import empty, empty_like
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
@@ -69,6 +70,7 @@ __all__ = [
     "CommTimeoutError",
     "FlexiblePlacementStrategy",
     "GroupResult",
+    "JobStatus",
     "MultiWorkerFuture",
     "NamedSharding",
     "NodePlacementStrategy",
@@ -86,4 +88,5 @@ __all__ = [
     "WorkerCallError",
     "WorkerGroup",
     "WorkerGroupError",
+    "job_status",
 ]

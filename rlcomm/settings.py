@@ -127,6 +127,19 @@ class Settings:
     cuda_idle_release: float = _setting(
         10.0, "seconds without a CUDA message after which a same-GPU connection releases its "
         "staging slots and closes the peer's memory it opened", minimum=1e-3)
+    store_auth_timeout: float = _setting(
+        2.0, "seconds a new connection to an rlcomm store (a worker's mailbox) has to "
+        "prove it belongs to the job before it is dropped; read when the store starts",
+        minimum=1e-3)
+    store_max_connections: int = _setting(
+        4096, "most connections one rlcomm store keeps open; past it the oldest that has "
+        "not proven itself is dropped; read when the store starts", minimum=2)
+    flight_recorder_ops: int = _setting(
+        256, "ended ops (point-to-point, broadcast, waited-for channel requests) each "
+        "process remembers for `rlcomm status` (0: none)", live=False, minimum=0)
+    hang_analysis_timeout: float = _setting(
+        1.0, "seconds a timed-out or failed op asks its peer what it is doing, for the "
+        "error's analysis (0: never ask)", minimum=0)
     recv_pool_bytes: int = _setting(
         2 << 30, "most bytes of free receive buffers (Gloo) a process keeps for reuse",
         live=False, minimum=0)

@@ -106,6 +106,17 @@ class ChannelCore:
         with self._lock:
             return self._state.stats()
 
+    def describe(self, timeout: float) -> dict[str, Any]:
+        """Whether the channel is closed, and its keys (:meth:`ChannelState.describe`);
+        waits at most ``timeout`` seconds for the lock (a report must not hang on it)."""
+        if not self._lock.acquire(timeout=timeout):
+            return {"error": f"the channel's lock was held for over {timeout}s"}
+        try:
+            return {"closed": self._state.closed, "maxsize": self._state.maxsize,
+                    "keys": self._state.describe()}
+        finally:
+            self._lock.release()
+
     def stop(self) -> None:
         """End the timer thread (parked requests are no longer timed out)."""
         with self._lock:

@@ -11,12 +11,15 @@ from rlcomm.channel.itemtype import check_put
 from rlcomm.channel.prefetch import batch_with
 from rlcomm.channel.requester import Requester
 from rlcomm.channel.routing import REPLY_GRACE
+from rlcomm.comm.flight import RECORDER
 from rlcomm.comm.options import default_timeout
 from rlcomm.comm.work import AsyncWork
 
 #: What an async put that gets no reply returns (one for all: a finished work is never
 #: changed by waiting on it).
 _SENT = AsyncWork.completed(None, "put")
+#: ``(request class, nowait) -> "channel get"``: the flight recorder's names of requests.
+_OP_NAMES: dict[tuple[type, bool], str] = {}
 
 
 class ChannelRequests:
@@ -111,5 +114,19 @@ class ChannelRequests:
         the worker's answer, then withdraws the request.
         """
         work = requester.request(req, timeout + REPLY_GRACE, tensors, not async_op)
-        return work if async_op else work.wait()
+        if async_op:
+            return work
+        # A blocking request is an op this process waits in: the flight recorder shows it.
+        kind = (type(req), getattr(req, "nowait", False))
+        name = _OP_NAMES.get(kind)
+        if name is None:
+            name = _OP_NAMES[kind] = f"channel {P.op_name(req)}"
+        key = RECORDER.begin(name, self._info.name)
+        try:
+            result = work.wait()
+        except BaseException as exc:
+            RECORDER.end(key, exc)
+            raise
+        RECORDER.end(key)
+        return result
 

@@ -69,6 +69,7 @@ from rlcomm.comm.endpoint import (
     Peer,
     PeerSelector,
     WorkerAddress,
+    add_status_section,
     encode_message,
     forward_without_copies,
     forwarded_without_copies,
@@ -133,6 +134,7 @@ class ChannelService:
         self._registrations: dict[WorkerAddress, int] = {}
         self._replies: dict[Hashable, _ClientReplies] = {}
         self.homes = HomeTable() if coordinator else None
+        add_status_section(f"channel:{channel_name}", self._status)
 
     def register_client(self, client: str) -> None:
         """Start reading request messages from the process at address ``client``."""
@@ -167,6 +169,23 @@ class ChannelService:
             "sent_by_reply_threads": sum(r.outbox.sent_off for _, r in replies),
             "relayed_payloads": forwarded_without_copies(),
         }
+
+    def _status(self) -> dict[str, Any]:
+        """This worker's part of ``rlcomm status``: the channel's keys, clients and the
+        replies queued for them (on a status thread: the locks are waited for briefly)."""
+        out: dict[str, Any] = {"name": self._channel_name, "worker": self._where}
+        out.update(self.core.describe(0.5))
+        if not self._lock.acquire(timeout=0.5):
+            out["clients"] = []
+            return out
+        try:
+            clients = [str(c) for c in self._listening]
+            replies = list(self._replies.items())
+        finally:
+            self._lock.release()
+        out["clients"] = clients
+        out["replies_queued"] = {str(c): n for c, r in replies if (n := r.outbox.pending)}
+        return out
 
     def _listen(self, address: WorkerAddress) -> None:
         with self._lock:

@@ -128,6 +128,16 @@ class ChannelState:
             "parked": len(self._parked),
         }
 
+    def describe(self) -> list[dict[str, Any]]:
+        """Per key: items queued, requests parked (gets and puts), items accepted and
+        handed out ever (what ``rlcomm status`` shows)."""
+        return [
+            {"key": key if isinstance(key, str) else repr(key), "depth": len(kq.items),
+             "getters": len(kq.getters), "putters": len(kq.putters), "puts": kq.puts,
+             "gets": kq.gets}
+            for key, kq in self._keys.items()
+        ]
+
     def next_deadline(self) -> float | None:
         """The earliest deadline of a parked request (monotonic seconds), if any."""
         while self._deadlines and self._deadlines[0][2].done:

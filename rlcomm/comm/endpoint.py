@@ -34,6 +34,7 @@ from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager, parse_address
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout
 from rlcomm.comm.selector import Selector
+from rlcomm.comm.status import add_section
 from rlcomm.comm.transports import shm_relay
 from rlcomm.comm.transports.shm_memory import RING_BYTES
 from rlcomm.errors import CommError
@@ -50,7 +51,15 @@ _SEND_OPTIONS = CollectiveGroupOptions()
 SHARED_MEMORY_RING_BYTES = RING_BYTES
 
 __all__ = ["SHARED_MEMORY_RING_BYTES", "Endpoint", "OnMessage", "Peer", "PeerSelector",
-           "WorkerAddress", "encode_message", "parse_address"]
+           "WorkerAddress", "add_status_section", "encode_message", "parse_address"]
+
+
+def add_status_section(name: str, provider: Callable[[], Any]) -> None:
+    """Add a part to this process's status report (``rlcomm status``): ``provider()``
+    returns plain data, on a thread of rlcomm's, and must not wait long on locks. A
+    name ``channel:<name>`` lists it among the process's channels (see
+    :func:`rlcomm.comm.status.add_section`)."""
+    add_section(name, provider)
 
 
 def encode_message(frame: bytes, tensors: list[torch.Tensor]) -> tuple[MessageHeader, list[torch.Tensor]]:

@@ -5,6 +5,11 @@ reader thread), the :class:`~rlcomm.comm.handshake.Handshake` (and its small poo
 threads), and every :class:`Connection` and :class:`BroadcastGroup`. Peers are found
 through the registry actor once, then cached. A send or receive on a live connection
 takes no lock of the manager's (the per-message path is a dict read).
+
+Every op is recorded in the process's flight recorder (:mod:`~rlcomm.comm.flight`),
+which the mailbox's ``status`` request reports (:mod:`~rlcomm.comm.status`). An op that
+fails with ``CommTimeoutError`` (one whose timeout is 1 s or more) or ``PeerLostError``
+asks its peer what it is doing, and its error says (:meth:`CommManager.explain`).
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rlcomm.comm import codec
+from rlcomm.comm import codec, status
 from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.sender import DeviceOrder
+from rlcomm.comm.flight import RECORDER
 from rlcomm.comm.handshake import Handshake, parse_address  # noqa: F401 - parse_address: the channel uses it from here
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.identity.registry import job_secret, registry
@@ -40,12 +46,19 @@ from rlcomm.comm.store import sub_store
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
     CommError,
+    CommTimeoutError,
     OptionsMismatchError,
+    PeerLostError,
     PeerNotFoundError,
     RlcommError,
 )
+from rlcomm.settings import get_settings
 
 logger = logging.getLogger(__name__)
+
+# The flight recorder's methods, bound once: they run for every message.
+_begin = RECORDER.begin
+_end = RECORDER.end
 
 _encode_fields = msgspec.msgpack.Encoder().encode
 _decode_fields = msgspec.msgpack.Decoder(dict | None).decode
@@ -102,8 +115,10 @@ class CommManager:
         self._endpoints: dict[WorkerAddress, Endpoint] = {}
         self._secret = job_secret()
         self._handshake = Handshake(self)
-        self._mailbox = Mailbox(host, node_id, self._secret, self._handshake.on_note)
+        self._mailbox = Mailbox(host, node_id, self._secret, self._handshake.on_note,
+                                status=status.report)
         self.endpoint = self._mailbox.endpoint
+        status.add_section("process", self._status)
         ray.get(registry().set_endpoint.remote(str(address), encode(self.endpoint)))
 
     # -- the process's manager --------------------------------------------------------------
@@ -241,14 +256,30 @@ class CommManager:
         conn = self.connection(dst, options)
         timeout = op_timeout(options)
         order = _device_order(tensors, async_op)
+        op = "send_tensor" if raw else "send"
+        key = _begin(op, dst, header)
         if async_op:
-            what = f"{'send_tensor' if raw else 'send'} from {self.address} to {dst}"
+            what = f"{op} from {self.address} to {dst}"
             check = None
             if not conn.checked_first_contact:
                 check = lambda: self._check_first_contact(conn, options, timeout)  # noqa: E731
-            return AsyncWork(conn.submit_send(header, tensors, timeout, check, order), what, timeout)
-        self._check_first_contact(conn, options, timeout)
-        conn.send_inline(header, tensors, timeout, order)
+            try:
+                fut = conn.submit_send(header, tensors, timeout, check, order)
+            except BaseException as exc:
+                _end(key, exc)
+                raise
+            fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
+            return AsyncWork(fut, what, timeout, explain=lambda exc, waited: self.explain(
+                exc, op, dst, key, timeout if waited is None else waited))
+        try:
+            self._check_first_contact(conn, options, timeout)
+            conn.send_inline(header, tensors, timeout, order)
+        except BaseException as exc:
+            _end(key, exc)
+            if isinstance(exc, CommError):
+                raise self.explain(exc, op, dst, key, timeout)  # noqa: B904 - the same error
+            raise
+        _end(key)
         return None
 
     def recv(
@@ -266,23 +297,41 @@ class CommManager:
         if _cuda_available() and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
             stream = torch.cuda.current_stream(device)
+        op = "recv_tensor" if tensor is not None else "recv"
+        key = _begin(op, src)
 
         def run() -> Any:
             try:
                 self._check_first_contact(conn, options, timeout)
                 if tensor is not None:
-                    return conn.recv_tensor_into(ticket, tensor, timeout)
-                return conn.recv_object(ticket, timeout, device, into)
-            except BaseException:
+                    result = conn.recv_tensor_into(ticket, tensor, timeout)
+                else:
+                    result = conn.recv_object(ticket, timeout, device, into)
+            except BaseException as exc:
                 conn.release_ticket(ticket)  # unless served: every early exit gives it up
+                _end(key, exc)
                 raise
+            _end(key)
+            return result
 
         if async_op:
-            what = f"{'recv_tensor' if tensor is not None else 'recv'} at {self.address} from {src}"
+            what = f"{op} at {self.address} from {src}"
+            task = run
             if stream is not None:  # the received tensors are ordered on the caller's stream
-                run = functools.partial(_on_stream, stream, run)
-            return AsyncWork(conn.run_async(run), what, timeout)
-        return run()
+                task = functools.partial(_on_stream, stream, run)
+            try:
+                fut = conn.run_async(task)
+            except BaseException as exc:
+                _end(key, exc)
+                raise
+            # A receive cancelled before it ran (its connection closed) ends here too.
+            fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
+            return AsyncWork(fut, what, timeout, explain=lambda exc, waited:
+                             self.explain(exc, op, src, key, timeout if waited is None else waited))
+        try:
+            return run()
+        except CommError as exc:
+            raise self.explain(exc, op, src, key, timeout)  # noqa: B904 - the same error
 
     def listen(
         self, peer: WorkerAddress, on_message: Callable[[Any], None],
@@ -316,9 +365,79 @@ class CommManager:
         if _cuda_available() and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
             cuda = (device, torch.cuda.current_stream(device))
-        fut = group.submit(obj, src_index, timeout, into, cuda, host_wait=async_op)
-        work = AsyncWork(fut, f"broadcast at {self.address} from {members[src_index]}", timeout)
+        source = members[src_index]
+        key = _begin("broadcast", source)
+        try:
+            fut = group.submit(obj, src_index, timeout, into, cuda, host_wait=async_op)
+        except BaseException as exc:
+            _end(key, exc)
+            raise
+        fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
+
+        def explain(exc: CommError, waited: float | None) -> CommError:
+            peer = exc.peer if isinstance(exc.peer, WorkerAddress) else source
+            return self.explain(exc, "broadcast", peer, key,
+                                timeout if waited is None else waited)
+
+        work = AsyncWork(fut, f"broadcast at {self.address} from {source}", timeout,
+                         explain=explain)
         return work if async_op else work.wait()
+
+    # -- what the peer was doing --------------------------------------------------------------
+
+    def explain(
+        self, exc: CommError, op: str, peer: WorkerAddress, key: int, timeout: float
+    ) -> CommError:
+        """``exc`` with an analysis of the hang (see :func:`status.analysis`): for a
+        ``CommTimeoutError`` after a wait of 1 s or more (``timeout``: the op's timeout,
+        or that of the ``AsyncWork.wait`` that ran out), or a ``PeerLostError``, when
+        the ``hang_analysis_timeout`` setting is not 0. Other errors come back as they
+        are."""
+        ask = get_settings().hang_analysis_timeout
+        if (
+            ask <= 0
+            or status.has_analysis(exc)
+            or not isinstance(exc, (CommTimeoutError, PeerLostError))
+            or (isinstance(exc, CommTimeoutError) and timeout < 1.0)
+            or peer == self.address
+        ):
+            return exc
+        entry = RECORDER.find(key)
+        ep = self._endpoints.get(peer)
+        if ep is None:
+            try:
+                data = ray.get(registry().get_endpoint.remote(str(peer)), timeout=ask)
+                ep = decode_endpoint(data) if data is not None else None
+            except Exception:  # noqa: BLE001 - the analysis then says it could not ask
+                ep = None
+        text = status.analysis(self.address, op, peer, entry.began if entry else None,
+                               ep, self._secret, ask)
+        return status.with_analysis(exc, text)
+
+    def _status(self) -> dict[str, Any]:
+        """The ``process`` section of this process's status report: who it is, its
+        connections and its mailbox store (read without the manager's lock)."""
+        conns = []
+        for peer, conn in list(self._conns.items()):
+            reader = conn.reader
+            error = conn.error
+            state = (
+                f"failed ({type(error).__name__})" if error is not None
+                else "connecting" if not conn.attached
+                else "listened" if reader.listener is not None
+                else "open"
+            )
+            conns.append({
+                "peer": str(peer), "transport": conn.transport_name, "state": state,
+                "life": conn.life.value, "reader": reader.lease.value,
+                "unread_bytes": reader.inbox.unread, "unread_messages": len(reader.inbox),
+            })
+        return {
+            "address": str(self.address), "host": self.endpoint.host,
+            "node_id": self.endpoint.node_id, "incarnation": self.endpoint.incarnation,
+            "connections": conns, "broadcast_groups": len(self._bcast),
+            "store": self._mailbox.store_stats(),
+        }
 
     def _broadcast_group(self, members: tuple[WorkerAddress, ...], timeout: float) -> BroadcastGroup:
         with self._lock:
@@ -357,3 +476,4 @@ class CommManager:
         for group in groups:
             group.close()
         self._mailbox.close()
+        status.remove_section("process")

@@ -87,13 +87,15 @@ class Mailbox:
         node_id: the Ray node id (peers use it to pick same-node transports).
         secret: the job's secret, which every client of the store must prove.
         on_note: called on the reader thread for every note but ``stop``.
+        status: answers the store's ``status`` requests (see :class:`StoreServer`).
     """
 
     def __init__(
-        self, host: str, node_id: str, secret: bytes, on_note: Callable[[Note], None]
+        self, host: str, node_id: str, secret: bytes, on_note: Callable[[Note], None],
+        status: Callable[[str], bytes] | None = None,
     ):
         self._secret = secret
-        self._server = StoreServer(host, secret)
+        self._server = StoreServer(host, secret, status=status)
         self.endpoint = Endpoint(
             host=host, port=self._server.port, node_id=node_id,
             incarnation=uuid.uuid4().hex[:12], pid=os.getpid(),
@@ -112,6 +114,10 @@ class Mailbox:
     def rejected(self) -> int:
         """Connections to this mailbox that failed authentication so far."""
         return self._server.rejected
+
+    def store_stats(self) -> dict[str, int]:
+        """The store's connections and why unproven ones ended (``StoreServer.stats``)."""
+        return self._server.stats()
 
     def client(self, timeout: float) -> StoreClient:
         """A new client connection to this mailbox (one per connection that uses it)."""

@@ -12,14 +12,18 @@ they hold the job's secret:
    which the client checks in turn.
 
 A connection that fails the check is logged and closed: it never reads or writes a key.
-Every read of a frame, the handshake included, has a deadline, and frames have a size
-limit, so a client that connects and stalls (or claims a huge frame) holds one thread
-for at most :data:`HANDSHAKE_SECONDS`. At most :data:`MAX_PENDING` connections may be
-in their handshake at once; more are closed at once.
+The server (:mod:`rlcomm.comm.store_server`) serves every client from one event loop: a
+connection that has not proven itself costs no thread, must send its proof within the
+``store_auth_timeout`` setting (2 s) and is dropped after it; the number of connections
+is bounded (the ``store_max_connections`` setting), the oldest unproven ones dropped
+first. Frames have a size limit, and a started frame must arrive whole within
+:data:`HANDSHAKE_SECONDS`.
 
-Keys and values are bytes; ``add`` keeps a decimal integer, as TCPStore does. The server
-thread of each client serves one request at a time, so a blocking ``wait`` holds only
-that client's connection.
+Keys and values are bytes; ``add`` keeps a decimal integer, as TCPStore does. A client
+connection serves one request at a time; a blocking ``get``, ``wait`` or ``take`` is
+parked in the server until its key comes or its deadline passes, holding only that
+client's connection. ``status`` asks the server's process for a report of what it is
+doing (:mod:`rlcomm.comm.status`), answered from a thread of rlcomm's own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch.distributed as dist
 from rlcomm.comm.store_server import StoreServer, local_reader
 from rlcomm.comm.store_wire import (
     HANDSHAKE_SECONDS,
+    HELLO,
     MAC,
     MAGIC,
     NONCE,
@@ -48,6 +53,7 @@ from rlcomm.comm.store_wire import (
     OP_GET,
     OP_NUM_KEYS,
     OP_SET,
+    OP_STATUS,
     OP_TAKE,
     OP_WAIT,
     decode,
@@ -57,7 +63,8 @@ from rlcomm.comm.store_wire import (
     recv_frame,
     send_frame,
 )
-from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+from rlcomm.errors import AuthenticationError, CommError, CommTimeoutError, PeerLostError
+from rlcomm.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -65,40 +72,88 @@ __all__ = ["StoreClient", "StoreServer", "local_reader", "sub_store"]
 
 
 class _Link:
-    """One authenticated client connection, shared by the store views made from it."""
+    """One authenticated client connection, shared by the store views made from it.
+
+    The server drops a connection whose proof comes later than its
+    ``store_auth_timeout`` after the connect. When this process was that slow (its
+    threads starved, say) and the server closed the connection, the handshake is tried
+    again while ``timeout`` lasts; a prompt proof that is refused is not retried.
+    """
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float):
         self.where = f"{host}:{port}"
         self.lock = threading.Lock()
+        end = time.monotonic() + timeout
+        while True:
+            started = time.monotonic()
+            try:
+                self.sock = self._handshake(host, port, secret, max(end - started, 0.05))
+                return
+            except _LateProof as exc:
+                if time.monotonic() >= end:
+                    raise exc.error from exc
+                logger.debug("store %s: this process sent its proof late; trying again",
+                             self.where)
+
+    def _handshake(self, host: str, port: int, secret: bytes, timeout: float) -> socket.socket:
         deadline = time.monotonic() + min(timeout, HANDSHAKE_SECONDS)
-        self.sock = _connect(host, port, timeout)
+        sock = _connect(host, port, timeout)
+        connected = time.monotonic()
+        sent = connected
         try:
-            hello = recv_exact(self.sock, len(MAGIC) + NONCE, deadline)
+            hello = recv_exact(sock, HELLO, deadline)
             if hello[: len(MAGIC)] != MAGIC:
                 raise AuthenticationError(f"{self.where} is not an rlcomm store")
             theirs = hello[len(MAGIC) :]
             mine = os.urandom(NONCE)
-            self.sock.sendall(MAGIC + mine + mac(secret, b"client", theirs, mine))
-            proof = recv_exact(self.sock, MAC, deadline)
-        except (OSError, TimeoutError) as exc:
-            self.sock.close()
-            raise AuthenticationError(
-                f"the store at {self.where} refused this process's credentials or did "
-                f"not answer ({exc.__class__.__name__}): is it a worker of another job?"
+            sent = time.monotonic()
+            sock.sendall(MAGIC + mine + mac(secret, b"client", theirs, mine))
+            proof = recv_exact(sock, MAC, deadline)
+        except TimeoutError as exc:
+            sock.close()
+            raise CommTimeoutError(
+                f"the store at {self.where} took connections but did not answer the "
+                f"handshake within {min(timeout, HANDSHAKE_SECONDS):g}s (its process is "
+                "stopped, or too busy to serve it)"
             ) from exc
+        except OSError as exc:
+            sock.close()
+            error = AuthenticationError(
+                f"the store at {self.where} refused this process's credentials "
+                f"({exc.__class__.__name__}): is it a worker of another job?"
+            )
+            error.__cause__ = exc
+            if isinstance(exc, ConnectionError) and sent - connected >= _late_proof():
+                raise _LateProof(error) from exc
+            raise error from exc
+        except BaseException:
+            sock.close()
+            raise
         if not hmac.compare_digest(proof, mac(secret, b"server", mine, theirs)):
-            self.sock.close()
+            sock.close()
             raise AuthenticationError(
                 f"the store at {self.where} did not prove it belongs to this job"
             )
+        return sock
 
-    def call(self, request: list, timeout: float) -> list:
+    def call(self, request: list, timeout: float, strict: bool = False) -> list:
+        """Send ``request`` and return the reply. The server answers a wait at its own
+        deadline: the reply is waited for with a margin of :data:`HANDSHAKE_SECONDS`,
+        none when ``strict`` (a late reply then raises ``CommTimeoutError``, not
+        ``PeerLostError``). A failed call closes the connection."""
         with self.lock:
             try:
                 send_frame(self.sock, encode(request))
-                # The server answers a wait at its own deadline; allow it a margin.
-                reply = recv_frame(self.sock, time.monotonic() + timeout + HANDSHAKE_SECONDS)
-            except (OSError, TimeoutError, ValueError) as exc:
+                margin = 0.0 if strict else HANDSHAKE_SECONDS
+                reply = recv_frame(self.sock, time.monotonic() + timeout + margin)
+            except TimeoutError as exc:
+                self.close()
+                if strict:
+                    raise CommTimeoutError(
+                        f"the store at {self.where} did not answer within {timeout:g}s"
+                    ) from exc
+                raise PeerLostError(f"the store at {self.where} is gone: {exc!r}") from exc
+            except (OSError, ValueError) as exc:
                 self.close()
                 raise PeerLostError(f"the store at {self.where} is gone: {exc!r}") from exc
             return decode(reply)
@@ -109,6 +164,20 @@ class _Link:
         except OSError:
             pass
         self.sock.close()
+
+
+class _LateProof(Exception):
+    """The server closed the connection after a proof this process sent late."""
+
+    def __init__(self, error: AuthenticationError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _late_proof() -> float:
+    """Seconds after the connect past which a proof may have missed the server's
+    deadline (half the ``store_auth_timeout`` setting: the server's may differ)."""
+    return get_settings().store_auth_timeout / 2
 
 
 def _connect(host: str, port: int, timeout: float) -> socket.socket:
@@ -147,9 +216,11 @@ class StoreClient(dist.Store):
         timeout: seconds for connecting, and the default of blocking ops.
 
     Raises:
-        AuthenticationError: the server is not one of this job's.
+        AuthenticationError: the server is not one of this job's, or refused this
+            process's proof.
         PeerLostError: nothing listens there any more.
-        CommTimeoutError: the server could not be reached in time.
+        CommTimeoutError: the server could not be reached, or did not answer the
+            handshake, in time.
     """
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float,
@@ -224,6 +295,22 @@ class StoreClient(dist.Store):
 
     def num_keys(self) -> int:
         return self._call([OP_NUM_KEYS])  # type: ignore[return-value]
+
+    def status(self, detail: str = "", timeout: float | None = None) -> bytes | None:
+        """The server's process's report of what it is doing (see
+        :mod:`rlcomm.comm.status`), as encoded there; ``None`` from a server that has
+        no report to give. Not in torch's ``Store``.
+
+        Raises:
+            CommTimeoutError: the report was not made within ``timeout`` seconds (the
+                store's own timeout when ``None``); the connection is then closed.
+            CommError: making the report failed in the server's process.
+        """
+        seconds = self._timeout_s if timeout is None else timeout
+        ok, value = self._link.call([OP_STATUS, detail], seconds, strict=True)
+        if not ok:
+            raise CommError(f"store {self._link.where}: {value}")
+        return value  # type: ignore[return-value]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]

@@ -15,16 +15,19 @@ MAGIC = b"RLCS1"
 NONCE = 16
 MAC = 32
 LEN = struct.Struct("<I")
-#: Seconds a connecting client has to prove itself, and a started frame to arrive whole.
+#: The server's greeting: the magic and its nonce.
+HELLO = len(MAGIC) + NONCE
+#: The client's proof: the magic, its nonce and its MAC.
+PROOF = len(MAGIC) + NONCE + MAC
+#: Seconds a client waits for the server's greeting and proof, and a started frame has
+#: to arrive whole (the server gives a connection that has not proven itself far less:
+#: the ``store_auth_timeout`` setting).
 HANDSHAKE_SECONDS = 10.0
-#: Connections allowed in their handshake at once (more are closed unanswered).
-MAX_PENDING = 64
 #: Largest request or reply frame (keys and values are small: addresses, notes, acks).
 MAX_FRAME = 16 << 20
 
-OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_CSET, OP_DELETE, OP_NUM_KEYS, OP_APPEND, OP_TAKE = (
-    range(10)
-)
+(OP_SET, OP_GET, OP_ADD, OP_WAIT, OP_CHECK, OP_CSET, OP_DELETE, OP_NUM_KEYS, OP_APPEND,
+ OP_TAKE, OP_STATUS) = range(11)
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder().decode
 

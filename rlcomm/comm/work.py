@@ -12,7 +12,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
-from rlcomm.errors import CommTimeoutError
+from rlcomm.errors import CommError, CommTimeoutError
 
 
 def _raised_by_op(future: concurrent.futures.Future, exc: BaseException) -> bool:
@@ -45,7 +45,14 @@ class AsyncWork:
             ``KeyboardInterrupt``) cancels the future. Default: the op goes on.
         on_cancel: called (once per abandoned wait) after a ``cancellable`` op's future
             was cancelled, to withdraw the op where it runs.
+        explain: ``explain(error, waited)`` turns a ``CommError`` that ``wait`` is about
+            to raise into the error raised (one with an analysis of what the peer was
+            doing; see :meth:`rlcomm.comm.manager.CommManager.explain`); ``waited`` is
+            the seconds of the wait that timed out, ``None`` for the op's own error.
     """
+
+    #: See ``explain`` above (a class default: adapters may not call ``__init__``).
+    _explain: Callable[[CommError, float | None], CommError] | None = None
 
     def __init__(
         self,
@@ -56,6 +63,7 @@ class AsyncWork:
         waiter: Callable[[concurrent.futures.Future, float | None], bool] | None = None,
         cancellable: bool = False,
         on_cancel: Callable[[], None] | None = None,
+        explain: Callable[[CommError, float | None], CommError] | None = None,
     ):
         self._future = future
         self._description = description
@@ -63,6 +71,7 @@ class AsyncWork:
         self._waiter = waiter
         self._cancellable = cancellable
         self._on_cancel = on_cancel
+        self._explain = explain
 
     def _result_future(self) -> concurrent.futures.Future:
         """The future of the op's result (an adapter may make it on first use)."""
@@ -117,12 +126,20 @@ class AsyncWork:
             return future.result(timeout=timeout)
         except (concurrent.futures.TimeoutError, TimeoutError) as exc:
             if _raised_by_op(future, exc):
-                raise
+                raise self._explained(exc, None)  # noqa: B904 - the op's own error
             self._abandon()
-            raise self._timeout_error(timeout) from None
+            raise self._explained(self._timeout_error(timeout), timeout) from None
+        except CommError as exc:
+            self._abandon()  # a no-op when the op itself failed
+            raise self._explained(exc, None)  # noqa: B904 - the op's own error
         except BaseException:
             self._abandon()  # interrupted; a no-op when the op itself failed
             raise
+
+    def _explained(self, exc: BaseException, waited: float | None) -> BaseException:
+        if self._explain is None or not isinstance(exc, CommError):
+            return exc
+        return self._explain(exc, waited)
 
     def _abandon(self) -> None:
         if (self._cancellable and self._future is not None and self._future.cancel()
@@ -148,9 +165,18 @@ class AsyncWork:
             raise
         except (asyncio.TimeoutError, TimeoutError) as exc:
             if _raised_by_op(future, exc):
-                raise
+                raise await self._explained_off_loop(exc, None)  # noqa: B904 - the op's own
             self._abandon()
-            raise self._timeout_error(timeout) from None
+            raise await self._explained_off_loop(self._timeout_error(timeout), timeout) from None
+        except CommError as exc:
+            raise await self._explained_off_loop(exc, None)  # noqa: B904 - the op's own error
+
+    async def _explained_off_loop(self, exc: BaseException, waited: float | None) -> BaseException:
+        """:meth:`_explained` on a thread: asking the peer must not block the event loop."""
+        if self._explain is None or not isinstance(exc, CommError):
+            return exc
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._explained, exc, waited)
 
     def __await__(self):
         return self.async_wait().__await__()

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from rlcomm.cluster import RLCOMM_NAMESPACE, connect_ray
+from rlcomm.errors import RlcommError
 from rlcomm.settings import get_settings
 
 REGISTRY_NAME = "rlcomm.registry"
@@ -55,6 +56,10 @@ class _Registry:
     def get_endpoint(self, address: str) -> Any:
         return self._endpoints.get(address)
 
+    def endpoints(self) -> dict[str, Any]:
+        """Every registered endpoint, by address (``rlcomm status`` asks each one)."""
+        return dict(self._endpoints)
+
 
 _handle: tuple[str, Any] | None = None
 _handle_lock = threading.Lock()
@@ -90,6 +95,22 @@ def registry():
             )
             _handle = (job, actor)
         return _handle[1]
+
+
+def find_registry() -> Any:
+    """The registry actor of the rlcomm job running on the attached Ray, without making
+    one (a tool that looks at a job must not start an empty registry).
+
+    Raises:
+        RlcommError: no rlcomm job has run on this Ray (there is no registry).
+    """
+    try:
+        return ray.get_actor(REGISTRY_NAME, namespace=RLCOMM_NAMESPACE)
+    except ValueError:
+        raise RlcommError(
+            "no rlcomm job runs on this Ray (there is no rlcomm registry actor); is "
+            "RAY_ADDRESS the address of the job's Ray?"
+        ) from None
 
 
 _secret: tuple[str, bytes] | None = None

@@ -1,0 +1,58 @@
+"""``python -m rlcomm status``: what every rlcomm process of a running job is doing.
+
+Attaches to the Ray at ``RAY_ADDRESS`` (or ``--address``; the Ray started on this machine
+when neither is given), asks every worker, channel worker and driver of the rlcomm job
+there for its report at once (see :mod:`rlcomm.comm.status`), and prints them as tables,
+or as JSON with ``--json``. A process that does not answer within ``--timeout`` seconds is
+listed as not answering. Exit status: 0 when every process answered, 1 when some did
+not, 2 when no job could be looked at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rlcomm.errors import RlcommError
+
+
+def _status(args: argparse.Namespace) -> int:
+    from rlcomm.cluster import connect_ray
+    from rlcomm.comm.status import job_status
+    from rlcomm.settings import get_settings
+
+    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        connect_ray(address, get_settings().connect_timeout, start_local=False)
+        status = job_status(timeout=args.timeout)
+    except RlcommError as exc:
+        print(f"rlcomm status: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(status.to_json())
+    else:
+        print(status.table(recent=args.recent), end="")
+    return 0 if all(w["state"] == "ok" for w in status.workers) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlcomm", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser(
+        "status", help="show what every rlcomm process of the running job is doing")
+    status.add_argument("--address", help="the Ray to attach to (default: RAY_ADDRESS, else "
+                        "the Ray started on this machine)")
+    status.add_argument("--timeout", type=float, default=1.0,
+                        help="seconds each process has to answer (default 1)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument("--recent", type=int, default=5,
+                        help="ended ops shown per process from its flight recorder (default 5)")
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        return _status(args)
+    return 2  # pragma: no cover - argparse refuses other commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())
