@@ -66,11 +66,10 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports import registry
-from rlcomm.comm.transports.base import OneSidedTransport, as_timedelta, map_error
+from rlcomm.comm.transports.base import OneSidedTransport, map_error
 from rlcomm.comm.transports.cuda_device import CUDA, DeviceOps, Share
-from rlcomm.comm.transports.shm_signals import credentials_ok, seqpacket
+from rlcomm.comm.transports.shm_signals import connect_published, credentials_ok, seqpacket
 from rlcomm.errors import (
-    AuthenticationError,
     CommError,
     CommTimeoutError,
     PeerLostError,
@@ -233,18 +232,8 @@ def connect_link(
             finally:
                 server.close()
         else:
-            store.wait(["ipc/addr"], as_timedelta(max(0.01, deadline - time.monotonic())))
-            name = store.get("ipc/addr").decode()
-            if not name.startswith("\0rlcomm-ipc-"):
-                raise AuthenticationError(f"cuda_ipc set-up with {peer}: unexpected socket name {name!r}")
-            sock = seqpacket()
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            sock.connect(name)
-            if not credentials_ok(sock, peer_pid):
-                sock.close()
-                raise AuthenticationError(
-                    f"cuda_ipc set-up with {peer}: the socket belongs to another process"
-                )
+            sock, _ = connect_published(store, "ipc/addr", "\0rlcomm-ipc-", deadline, peer,
+                                        peer_pid, "cuda_ipc")
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         sock.send(hello)
         theirs = sock.recv(4096)

@@ -10,6 +10,7 @@ kernel reports them (``SO_PEERCRED``): this user, and the peer's expected proces
 
 from __future__ import annotations
 
+import datetime
 import errno
 import logging
 import os
@@ -52,6 +53,32 @@ def credentials_ok(sock: socket.socket, peer_pid: int | None) -> bool:
     ``peer_pid`` is given, is that process."""
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     return uid == os.getuid() and (peer_pid is None or pid == peer_pid)
+
+
+def connect_published(
+    store: dist.Store, key: str, prefix: str, deadline: float, peer: str,
+    peer_pid: int | None, what: str,
+) -> tuple[socket.socket, str]:
+    """Connect to the abstract socket the peer named under ``key`` of ``store`` (a name
+    that starts with ``prefix``), and check that the process at the other end is this
+    user's ``peer_pid``. Returns the socket and the name.
+
+    Raises:
+        AuthenticationError: the name is not one of ours, or the socket is another
+            process's.
+        OSError, RuntimeError: the peer did not name it, or refused, by ``deadline``.
+    """
+    store.wait([key], datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+    name = store.get(key).decode()
+    if not name.startswith(prefix):
+        raise AuthenticationError(f"{what} set-up with {peer}: unexpected socket name {name!r}")
+    sock = seqpacket()
+    sock.settimeout(max(0.01, deadline - time.monotonic()))
+    sock.connect(name)
+    if not credentials_ok(sock, peer_pid):
+        sock.close()
+        raise AuthenticationError(f"{what} set-up with {peer}: the socket belongs to another process")
+    return sock, name
 
 
 def _fds_of(ancillary: list) -> list[int]:
@@ -137,19 +164,9 @@ class SignalSockets:
     def _connect(
         cls, store: dist.Store, out_fd: int, deadline: float, peer: str, peer_pid: int | None
     ):
-        store.wait(["shm/addr"])
-        name = store.get("shm/addr").decode()
-        if not name.startswith("\0rlcomm-shm-"):
-            raise AuthenticationError(f"shm set-up with {peer}: unexpected socket name {name!r}")
         # Roles are named from the listener's side.
-        mine_out = seqpacket()
-        mine_out.settimeout(max(0.01, deadline - time.monotonic()))
-        mine_out.connect(name)
-        if not credentials_ok(mine_out, peer_pid):
-            mine_out.close()
-            raise AuthenticationError(
-                f"shm set-up with {peer}: the socket belongs to another process"
-            )
+        mine_out, name = connect_published(store, "shm/addr", "\0rlcomm-shm-", deadline,
+                                           peer, peer_pid, "shm")
         socket.send_fds(mine_out, [b"peer->me"], [out_fd])
         mine_in = seqpacket()
         mine_in.settimeout(max(0.01, deadline - time.monotonic()))
