@@ -407,8 +407,9 @@ class BroadcastGroup:
         once the hand-off to this member's node-mates (if it began) ended too."""
         place = chain.index(self.index)
         downstream = chain[place + 1] if place + 1 < len(chain) else None
+        upstream = chain[place - 1] if place else None
         run = ChainRun(
-            index=self.index, src=chain[0], upstream=chain[place - 1] if place else None,
+            index=self.index, src=chain[0], upstream=upstream,
             downstream=downstream, members=len(self.members), run_id=run_id, key=self._key,
             records=plan_records(sizes, chunk or get_settings().bcast_chunk_bytes),
             views=views, listener=self._listener if place else None,
@@ -419,6 +420,10 @@ class BroadcastGroup:
             host=self._host, deadline=deadline, slack=min(1.0, 0.1 * timeout),
             heartbeat=min(1.0, max(0.05, timeout / 20)), on_received=on_received,
             refuse=refuse,
+            upstream_address=(  # the source has no listener
+                None if upstream is None or upstream == chain[0]
+                else lambda: self._chain_address(upstream, deadline)  # type: ignore[arg-type]
+            ),
         )
         self._run, self.phase = run, "chain"
         outcome = run.run()

@@ -33,7 +33,11 @@ are done, ``DONE`` with the failures seen there. So:
   between tell (a relay gives up on its upstream a moment before the op's deadline, so
   that its ``ABORT`` reaches its node-mates before theirs);
 - every member before the failure learns it from ``DONE`` (or from the ``WAIT`` records
-  when it times out): the source raises naming the member that did not get it.
+  when it times out): the source raises naming the member that did not get it;
+- a member whose upstream neighbour has not linked to it yet tries, at each heartbeat,
+  to connect to that neighbour's listener: a refusal means its process is gone (a live
+  node refuses at once a port that nobody listens on), and the member raises
+  :class:`~rlcomm.errors.PeerLostError` naming it rather than wait for the deadline.
 
 Nothing here knows codecs or workers: a payload is a list of byte views, a member is an
 index. :class:`ChainRun` drives one broadcast at one member on non-blocking sockets, one
@@ -364,6 +368,8 @@ class ChainRun:
             member receives).
         listener: this member's listener (``None`` at the source).
         downstream_address: gives ``host:port`` of the downstream member's listener.
+        upstream_address: gives ``host:port`` of the upstream member's listener, to probe
+            while its link is not there (``None``: it has none, or do not probe).
         host: this node's address (the outgoing link binds to it; ``None``: any).
         deadline: the op's deadline (monotonic seconds).
         slack: a relay gives up on its neighbours this many seconds before
@@ -382,6 +388,7 @@ class ChainRun:
         views: Sequence[memoryview], listener: ChainListener | None,
         downstream_address: Callable[[], str] | None, host: str | None, deadline: float,
         slack: float = 0.0, heartbeat: float = 1.0,
+        upstream_address: Callable[[], str] | None = None,
         on_received: Callable[[], concurrent.futures.Future | None] | None = None,
         refuse: bool = False,
     ):
@@ -395,6 +402,7 @@ class ChainRun:
         self._views = list(views)
         self._listener = listener
         self._downstream_address = downstream_address
+        self._upstream_address = upstream_address
         self._host = host
         self._deadline = deadline
         self._give_up = deadline if upstream is None else deadline - slack
@@ -797,6 +805,8 @@ class ChainRun:
             return
         self._next_beat = now + self._heartbeat
         down, up = self.down, self.up
+        if up is None and self.outcome.upstream_error is None and not self.refuse:
+            self._probe_upstream()
         if (down is not None and down.ready and not down.out and not self.down_done
                 and self.upstream is not None and self.outcome.upstream_error is None
                 and self.received < self.total):
@@ -816,6 +826,30 @@ class ChainRun:
                 up.flush()
             except _Gone:
                 self._lost_up(LOST)
+
+    def _probe_upstream(self) -> None:
+        """Whether the upstream member's process is gone: its listener refuses."""
+        if self._upstream_address is None:
+            return
+        try:
+            host, port = parse_address(self._upstream_address())
+        except (OSError, ProtocolMismatchError):
+            return
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(min(0.25, self._heartbeat))
+            if self._host:
+                try:
+                    sock.bind((self._host, 0))
+                except OSError:
+                    pass
+            code = sock.connect_ex((host, port))
+        except OSError:
+            return
+        finally:
+            sock.close()
+        if code == errno.ECONNREFUSED:
+            self._fail_up(self.upstream, LOST)  # type: ignore[arg-type]
 
     # -- failures -----------------------------------------------------------------------------
 

@@ -143,7 +143,9 @@ class Chain:
             records=plan_records(self.sizes, self.chunk), views=views,
             listener=self.listeners.get(i),
             downstream_address=(lambda: self.listeners[down].address) if down else None,
-            host="127.0.0.1", deadline=self.deadline, slack=0.3, heartbeat=0.1, **kwargs,
+            host="127.0.0.1", deadline=self.deadline, slack=0.3, heartbeat=0.1,
+            upstream_address=(lambda: self.listeners[i - 1].address) if i > 1 else None,
+            **kwargs,
         )
         self.runs[i] = run
         return run
@@ -164,7 +166,7 @@ class Chain:
     def holds_all(self, i: int) -> bool:
         return all(torch.equal(a, b) for a, b in zip(self.data, self.got[i]))
 
-    def spawn(self, i: int, stop_after: int) -> subprocess.Popen:
+    def spawn(self, i: int, stop_after: int, linked: bool = True) -> subprocess.Popen:
         """Member ``i`` in a process of its own, which stops itself once it holds
         ``stop_after`` records (see ``tests/comm/chain_member.py``). The chain's deadline
         starts once that process is ready."""
@@ -173,6 +175,7 @@ class Chain:
             fd=listener.sock.fileno(), index=i, src=0, upstream=i - 1,
             downstream=i + 1 if i + 1 < self.n else None, members=self.n, run_id=RUN,
             key=KEY.hex(), sizes=self.sizes, chunk=self.chunk, stop_after=stop_after,
+            linked=linked,
             down_address=self.listeners[i + 1].address if i + 1 < self.n else None,
         )
         proc = subprocess.Popen(
@@ -180,6 +183,7 @@ class Chain:
             pass_fds=[listener.sock.fileno()], cwd=ROOT, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True,
         )
+        listener.close()  # the child's now: it goes with the child's process
         assert proc.stdout.readline().strip() == "READY"  # type: ignore[union-attr]
         self.deadline = time.monotonic() + self.timeout
         proc.stdin.write(f"{self.deadline!r}\n")  # type: ignore[union-attr]
@@ -275,6 +279,27 @@ def test_a_relay_killed_midway_stops_the_members_after_it_by_abort(chains):
     assert [chain.outcomes[i].upstream_error for i in (2, 3, 4)] == [(1, LOST)] * 3
     assert chain.outcomes[0].failures == {1: LOST}
     assert all(chain.ended[i] < chain.deadline - 5 for i in (2, 3, 4))
+
+
+def test_a_relay_killed_before_it_linked_on_is_found_gone_by_the_next(chains):
+    """The relay dies before it made its link to the next member: that member finds its
+    listener refusing (a probe at each heartbeat), not the deadline."""
+    chain = chains(4, [16 << 20], chunk=1 << 16, timeout=30)
+    victim = chain.spawn(2, stop_after=1, linked=False)
+    try:
+        threads = chain.start([0, 1])
+        _wait_stopped(victim)
+        victim.kill()
+        victim.wait(30)
+        threads += chain.start([3])
+        _join(threads)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait(30)
+    assert chain.outcomes[3].upstream_error == (2, LOST)
+    assert chain.ended[3] < chain.deadline - 5
+    assert chain.outcomes[0].failures == {2: LOST}
 
 
 def test_a_stopped_relay_is_named_by_every_member_when_they_time_out(chains):
