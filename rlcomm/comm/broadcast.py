@@ -61,7 +61,7 @@ from rlcomm.comm.broadcast_gloo import GlooBroadcast
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
-from rlcomm.comm.transports import registry
+from rlcomm.comm.transports import pool, registry
 from rlcomm.comm.transports.shm_fanout import FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
 from rlcomm.errors import (
@@ -642,12 +642,11 @@ class BroadcastGroup:
             t.device.type == "cpu" and t.is_contiguous() for t in targets
         )
         if refused:
-            tensors: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
         elif direct:
-            tensors = list(targets)  # type: ignore[arg-type]
-        else:
-            tensors = [codec.empty_like_meta(m, torch.device("cpu")) for m in metas]
-        buffers = [codec.as_bytes(t) for t in tensors if t.numel()]
+            buffers = [codec.as_bytes(t) for t in targets if t.numel()]  # type: ignore[union-attr]
+        else:  # reused memory: fresh pages would fault in as the records land
+            buffers = [pool.take(m.nbytes) for m in metas if m.nbytes]
         mate_errors: dict[int, Exception] = {}
 
         def hand_to_mates() -> concurrent.futures.Future | None:

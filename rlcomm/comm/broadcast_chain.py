@@ -196,6 +196,7 @@ class ChainListener:
     def __init__(self, host: str, port: int = 0):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.sock.bind((host, port))
             self.sock.listen(16)
             self.sock.setblocking(False)
