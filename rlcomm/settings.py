@@ -121,7 +121,7 @@ class Settings:
         "node forwards a record as soon as it holds it, while the next one arrives",
         minimum=1 << 12)
     bcast_chain_min_bytes: int = _setting(
-        8 << 20, "CPU payloads of at least this many bytes go to other nodes along the "
+        1 << 20, "CPU payloads of at least this many bytes go to other nodes along the "
         "chain of their relays (pipelined); smaller ones go from the source over Gloo's "
         "broadcast (a very large value keeps every broadcast on Gloo)", minimum=0)
     cuda_slot_bytes: int = _setting(

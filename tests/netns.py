@@ -144,14 +144,15 @@ class NetnsCluster:
 
 
 def _burst(rate: str) -> str:
-    """A token bucket for ``rate``: 10 ms of it, and at least 256 KiB (a veth passes
-    segments of up to 64 KiB at once)."""
+    """A token bucket for ``rate``: 1 ms of it, and at least 128 KiB (a veth passes
+    segments of up to 64 KiB at once). A larger bucket would let the first megabytes of
+    a transfer through faster than ``rate``."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
     for unit, scale in units.items():
         if rate.endswith(unit):
             bits = float(rate[: -len(unit)]) * scale
-            return f"{max(256 << 10, int(bits / 8 / 100))}b"
-    return "1mb"
+            return f"{max(128 << 10, int(bits / 8 / 1000))}b"
+    return "128kb"
 
 
 def ray_env(token: str | None = None) -> dict[str, str]:

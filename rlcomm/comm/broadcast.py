@@ -55,6 +55,7 @@ from rlcomm.comm.broadcast_chain import (
     ChainRun,
     group_key,
     plan_records,
+    record_size,
 )
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
@@ -375,7 +376,8 @@ class BroadcastGroup:
         """As the source: the frame over Gloo, the payload along the chain, and to this
         node's members meanwhile (on the helper thread). Returns the failures."""
         chain = [self.index, *relays]
-        chunk = get_settings().bcast_chunk_bytes
+        sizes = [t.numel() for t in payload]
+        chunk = record_size(sum(sizes), len(relays), get_settings().bcast_chunk_bytes)
         run_id = int.from_bytes(os.urandom(8), "little")
         self.phase = "frame"
         self._gloo_group(tuple(chain)).send_frame(ROUTE.pack(CHAIN, run_id, chunk) + frame, 0, timeout)
@@ -389,8 +391,8 @@ class BroadcastGroup:
             )
 
         outcome = self._run_chain(
-            chain, run_id, [t.numel() for t in payload],
-            [memoryview(t.numpy()) for t in payload], deadline, timeout, hand_local,
+            chain, run_id, sizes, [memoryview(t.numpy()) for t in payload], deadline, timeout,
+            hand_local, chunk=chunk,
         )
         failures: dict[int, Exception] = dict(local_errors)
         for member, reason in outcome.failures.items():

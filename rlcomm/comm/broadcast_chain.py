@@ -114,6 +114,21 @@ def plan_records(sizes: Sequence[int], chunk: int) -> list[list[tuple[int, int, 
     return records
 
 
+#: Records are cut no finer than this (a record costs a header and a turn of the loop).
+MIN_RECORD = 64 << 10
+
+
+def record_size(payload: int, hops: int, largest: int) -> int:
+    """The record size of a ``payload``-byte broadcast along a chain of ``hops`` links:
+    ``largest`` (``RLCOMM_BCAST_CHUNK_BYTES``), but cut finer, down to
+    :data:`MIN_RECORD`, so that the payload has at least two records per link. A payload
+    of one or two records would cross each link whole before the next could start, as
+    a store-and-forward line; cut in ``2 * hops`` it reaches the last node after about
+    1.5 transfer times, however many links there are."""
+    want = -(-payload // max(1, 2 * hops))
+    return max(min(largest, MIN_RECORD), min(largest, want))
+
+
 def record_bytes(record: Sequence[tuple[int, int, int]]) -> int:
     return sum(end - start for _, start, end in record)
 

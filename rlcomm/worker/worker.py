@@ -277,7 +277,7 @@ class Worker(DispatchInfoMixin):
         ``RLCOMM_BCAST_MAX_SLOTS`` (4) earlier broadcasts waits (up to the timeout) for
         one to be freed. Participants on other nodes get it through their node's *relay*
         (the first of them there), which hands it to its node-mates as above. A CPU
-        payload of at least ``RLCOMM_BCAST_CHAIN_MIN_BYTES`` (8 MiB) goes to the relays
+        payload of at least ``RLCOMM_BCAST_CHAIN_MIN_BYTES`` (1 MiB) goes to the relays
         along a chain, pipelined in records of ``RLCOMM_BCAST_CHUNK_BYTES`` (1 MiB): each
         node forwards a record while the next arrives, so the last of ``n`` nodes has it
         about one transfer plus ``n - 2`` record times after the start. A smaller payload

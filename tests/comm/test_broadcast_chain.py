@@ -68,6 +68,17 @@ def test_a_payload_not_a_multiple_of_the_chunk_ends_with_a_short_record():
     assert [bc.record_bytes(r) for r in records] == [1 << 20] * 4 + [11]
 
 
+@pytest.mark.parametrize("payload, hops, largest, want", [
+    (256 << 20, 4, 1 << 20, 1 << 20),  # plenty of records: the setting's size
+    (4 << 20, 4, 1 << 20, 512 << 10),  # two records per link
+    (1 << 20, 31, 1 << 20, bc.MIN_RECORD),  # never finer than MIN_RECORD
+    (100, 1, 1 << 20, bc.MIN_RECORD),
+    (1 << 20, 2, 16 << 10, 16 << 10),  # a setting below MIN_RECORD is kept
+])
+def test_small_payloads_are_cut_in_two_records_per_link(payload, hops, largest, want):
+    assert bc.record_size(payload, hops, largest) == want
+
+
 def _check(kind, index=0, length=0, reason=0, downstream=True, next_record=0,
            lengths=(16, 16, 5)):
     check_record(kind, reason, index, length, downstream=downstream, members=4,
