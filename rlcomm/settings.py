@@ -116,6 +116,14 @@ class Settings:
         4, "shared-memory segments a broadcast source keeps per group for same-node "
         "receivers (receivers holding views of all of them make it wait)", live=False,
         minimum=1)
+    bcast_chunk_bytes: int = _setting(
+        1 << 20, "bytes of each record of a broadcast passed along the chain of nodes: a "
+        "node forwards a record as soon as it holds it, while the next one arrives",
+        minimum=1 << 12)
+    bcast_chain_min_bytes: int = _setting(
+        1 << 20, "CPU payloads of at least this many bytes go to other nodes along the "
+        "chain of their relays (pipelined); smaller ones go from the source over Gloo's "
+        "broadcast (a very large value keeps every broadcast on Gloo)", minimum=0)
     cuda_slot_bytes: int = _setting(
         1 << 20, "CUDA payloads up to this many bytes to a worker on the same GPU are copied "
         "into a staging slot (the send returns at once); larger ones are lent (the receiver "

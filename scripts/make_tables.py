@@ -446,7 +446,24 @@ def measured_rows() -> list[list[str]]:
         ["Measured: a channel of 1 KiB items, one put and one get at a time",
          items("rlinf channel"), f"Ray queue: {items('ray.util.queue')}",
          f"Ray queue: {items('ray.util.queue')}", items("rlcomm channel")],
+        multinode_row(),
     ]
+
+
+def multinode_row() -> list[str]:
+    """Weight sync from one node to the most nodes of `bench_multinode.py`'s run, beside
+    Ray's object store and one node-to-node transfer of the same run."""
+    data = load("bench_multinode.json")
+    nodes = [r for r in data["records"] if r["sweep"] == "nodes"]
+    n = max(r["nodes"] for r in nodes)
+    at = {r["way"]: r["median"] for r in nodes if r["nodes"] == n}
+    mib = nodes[0]["bytes"] // MIB
+    pipe, ray_s, bound = at["rlcomm pipelined"], at["Ray object store"], at[
+        "bound: one node-to-node send"]
+    return [f"Measured: weight sync, {mib} MiB from one node to {n - 1} others, "
+            f"{data['args']['rate'].replace('gbit', ' Gbit/s').replace('mbit', ' Mbit/s')} links",
+            "-", f"Ray: {num(ray_s)} s", f"Ray: {num(ray_s)} s",
+            f"{num(pipe)} s ({pipe / bound:.2f}x one node-to-node transfer)"]
 
 
 def rewrite_compare(body: str) -> str:

@@ -71,3 +71,41 @@ def test_broadcast_to_same_node_and_other_node_members(two_node_cluster):
         assert group.execute_on(4).broadcast_relays(members, 3).wait(timeout=60) == [{0: [1]}]
     finally:
         group.shutdown()
+
+
+@pytest.mark.multinode
+def test_broadcast_along_the_chain_to_another_node(two_node_cluster):
+    """A payload over RLCOMM_BCAST_CHAIN_MIN_BYTES goes along the chain (here the source
+    and one relay) in records (a payload no multiple of the record size), the relay hands
+    it to its node-mates, and a receiver may take it into its own tensors."""
+    from rlcomm import get_settings, update_settings
+    from tests.comm.test_broadcast import Caster
+
+    before = get_settings()
+    update_settings(bcast_chain_min_bytes=1 << 20, bcast_chunk_bytes=300_000)
+    try:
+        group = Caster.create_group().launch(
+            two_node_cluster, NodePlacementStrategy([0, 0, 1, 1, 1]), name="bc_chain"
+        )
+    finally:
+        update_settings(bcast_chain_min_bytes=before.bcast_chain_min_bytes,
+                        bcast_chunk_bytes=before.bcast_chunk_bytes)
+    members = [("bc_chain", [0, 1, 2, 3, 4])]
+    try:
+        for step, src in ((5, 0), (6, 3)):
+            handles = [
+                group.execute_on(r).cast(step, members, ("bc_chain", src), source=r == src)
+                for r in range(5)
+            ]
+            assert [h.wait(timeout=180)[0] for h in handles] == [True] * 5
+        handles = [group.execute_on(r).cast_into(7, members, ("bc_chain", 0), source=r == 0)
+                   for r in range(5)]
+        assert [h.wait(timeout=180)[0] for h in handles] == [True] * 5
+        # The relay of a broadcast from 0 (member 2) took 4 x 256 KiB plus a few bytes
+        # in records of 300 000 bytes.
+        progress = group.execute_on(2).broadcast_progress(members).wait(timeout=60)[0]
+        payload = 4 * (1 << 18) + 8 + 3
+        assert progress["total"] == -(-payload // 300_000), progress
+        assert progress["received"] == progress["total"], progress
+    finally:
+        group.shutdown()

@@ -11,22 +11,32 @@ A broadcast from member ``src`` splits its members in two, alike on every member
   them straight from the source's memory on the device, one copy, never through host
   memory; the others get them through a slot.
 - *remote* receivers, on other nodes: one of them per node is that node's *relay* (the
-  first member there, in member order). The payload crosses the network once per node,
-  over a Gloo process group of the source and the relays (NCCL for CUDA payloads), made
-  on first use; each relay then hands it to its node-mates as the source does to its
-  own (a shared-memory fan-out, one copy). So a broadcast to ``n`` nodes of ``k``
-  members each costs ``n - 1`` network transfers and one local copy per node, whatever
-  ``k``.
+  first member there, in member order). The source and the relays form a Gloo process
+  group, made on first use, which carries each broadcast's frame (and its *route*). A
+  CPU payload of at least ``RLCOMM_BCAST_CHAIN_MIN_BYTES`` then goes along the *chain*
+  of the source and the relays (:mod:`~rlcomm.comm.broadcast_chain`): each relay
+  forwards each record of ``RLCOMM_BCAST_CHUNK_BYTES`` as soon as it holds it, so each
+  node's link carries the payload once and the last node has it about one transfer plus
+  one record time per node after the start. A smaller payload goes by Gloo's own
+  broadcast in that group, and a CUDA payload by NCCL's. Each relay then hands the
+  payload to its node-mates as the source does to its own (a shared-memory fan-out, one
+  copy). So a broadcast to ``n`` nodes of ``k`` members each costs one local copy per
+  node, whatever ``k``, and (along the chain) about one network transfer, whatever ``n``.
 
 Broadcasts on one group run one at a time, in call order (one thread for async calls),
 so every member sees the same sequence. Each source numbers its messages, so a receiver
-that timed out on a broadcast skips that message when it arrives late.
+that timed out on a broadcast skips that message when it arrives late. Along a chain,
+a member that fails makes every member after it raise naming it (a relay passes the
+failure on to its node-mates with a note on the fan-out), and every member before it
+learns it too (see :mod:`~rlcomm.comm.broadcast_chain`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,12 +46,23 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
+from rlcomm.comm.broadcast_chain import (
+    LOST,
+    REASONS,
+    REFUSED,
+    TIMEOUT,
+    ChainListener,
+    ChainRun,
+    group_key,
+    plan_records,
+    record_size,
+)
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
-from rlcomm.comm.transports import registry
+from rlcomm.comm.transports import pool, registry
 from rlcomm.comm.transports.shm_fanout import FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
 from rlcomm.errors import (
@@ -52,8 +73,27 @@ from rlcomm.errors import (
     PeerLostError,
     ProtocolMismatchError,
 )
+from rlcomm.settings import get_settings
 
 GroupsSpec = Sequence[tuple[str, Any]]
+
+#: What the frame a source sends over the group's Gloo broadcast begins with: how the
+#: payload follows (:data:`GLOO` or :data:`CHAIN`), the broadcast's random id and the
+#: chain's record size.
+ROUTE = struct.Struct("<BQI")
+GLOO, CHAIN = 0, 1
+#: Record sizes a receiver accepts from a source.
+MIN_CHUNK, MAX_CHUNK = 1 << 12, 1 << 30
+#: The opening of the offer part of a note on the fan-out that tells a relay's node-mates
+#: that the chain failed before their relay (a :data:`NOTE` follows: member, reason).
+ABORT_NOTE = b"\x00rlcomm-chain-abort:"
+NOTE = struct.Struct("<IB")
+
+
+def _reason(exc: BaseException) -> int:
+    if isinstance(exc, PeerLostError):
+        return LOST
+    return TIMEOUT if isinstance(exc, CommTimeoutError) else REFUSED
 
 
 def expand_groups(groups: GroupsSpec) -> list[WorkerAddress]:
@@ -94,13 +134,15 @@ class BroadcastGroup:
         index: this process's place in it.
         nodes: each member's node (members with equal entries share memory).
         pids: each member's process id (checked on the shared-memory sockets).
-        host: this node's IP, for Gloo sockets.
+        host: this node's IP, for Gloo sockets and the chain's listener.
+        secret: the job's secret, from which the chain's links prove themselves
+            (``None``: a random one, for groups of one process's tests).
     """
 
     def __init__(
         self, connect_store: Callable[[tuple[int, ...]], dist.Store],
         members: list[WorkerAddress], index: int, nodes: Sequence[Any], pids: Sequence[int],
-        host: str | None = None,
+        host: str | None = None, secret: bytes | None = None,
     ):
         self.members = members
         self.index = index
@@ -120,6 +162,13 @@ class BroadcastGroup:
         self._seq_in: dict[int, int] = {}
         self._device = DeviceFanout(self._group_store, index, self._pids,
                                     [str(m) for m in members])
+        self._key = group_key(secret or os.urandom(32), "|".join(str(m) for m in members))
+        self._listener: ChainListener | None = None
+        self._helper_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: What this member is doing (``idle``, ``frame``, ``chain``, ``local``) and the
+        #: chain run of its latest broadcast along a chain: for :meth:`progress`.
+        self.phase = "idle"
+        self._run: ChainRun | None = None
 
     @staticmethod
     def _shared_copy() -> bool:
@@ -148,6 +197,16 @@ class BroadcastGroup:
         for i in remote:
             by_node.setdefault(self._nodes[i], []).append(i)
         return {ids[0]: ids[1:] for ids in by_node.values()}
+
+    def progress(self) -> dict[str, Any]:
+        """Where this member's current (or latest) broadcast is: its ``phase`` and, for
+        one along a chain, the records ``received`` and ``forwarded`` of ``total``
+        (any thread may ask, while a broadcast runs)."""
+        run = self._run
+        out: dict[str, Any] = {"phase": self.phase}
+        if run is not None:
+            out.update(received=run.received, forwarded=run.forwarded, total=run.total)
+        return out
 
     @property
     def pool_bytes(self) -> int:
@@ -180,18 +239,18 @@ class BroadcastGroup:
         local, _ = self.plan(src)
         relays = self.relays(src)
         with self._lock:
-            if self.index == src:
-                self._send(obj, local, list(relays), deadline, timeout, host_wait)
-                return obj
-            if self.index in local:
-                return self._recv_local(src, deadline, into)
-            if self.index in relays:
-                got = self._recv_remote(src, list(relays), timeout)
-                if relays[self.index]:
-                    self._send(got, relays[self.index], [], deadline, timeout)
-                return got if into is None else self._fill(got, into, src)
-            relay = next(r for r, mates in relays.items() if self.index in mates)
-            return self._recv_local(relay, deadline, into)
+            try:
+                if self.index == src:
+                    self._send(obj, local, list(relays), deadline, timeout, host_wait)
+                    return obj
+                if self.index in local:
+                    return self._recv_local(src, deadline, into)
+                if self.index in relays:
+                    return self._recv_remote(src, relays, deadline, timeout, into)
+                relay = next(r for r, mates in relays.items() if self.index in mates)
+                return self._recv_local(relay, deadline, into, origin=src)
+            finally:
+                self.phase = "idle"
 
     def _fill(self, got: Any, into: Any, src: int) -> Any:
         """``into`` with the tensors of the received object ``got`` copied in."""
@@ -221,39 +280,202 @@ class BroadcastGroup:
         host_wait: bool = False,
     ) -> None:
         """Hand ``obj`` to this node's ``local`` members (shared memory, or the device for
-        CUDA tensors) and to the ``relays`` of other nodes (one Gloo transfer each)."""
+        CUDA tensors) and to the ``relays`` of other nodes: along the chain, or by Gloo's
+        (NCCL's) broadcast; see the module docstring."""
         header, tensors = codec.encode(obj)
         frame, payload = framing.pack(header, tensors)
-        failures: dict[int, Exception] = {}
-        if local:
-            on_cuda = bool(payload) and payload[0].is_cuda
-            source = self._fanout_source(local, deadline)
-            if on_cuda:
-                order = torch.cuda.current_stream(payload[0].device)
-                failures.update(self._device.send(
-                    frame, [t for t in tensors if t.numel()], local, source, self._next_seq,
-                    order, deadline, host_wait,
-                ))
-            else:
-                failures.update(source.publish(self._next_seq(), frame, payload, deadline))
-            for member in source.missing():
-                failures.setdefault(member, CommTimeoutError(
-                    f"{self._label}: {self.members[member]} did not join within {timeout}s",
-                    peer=self.members[member], op="broadcast",
-                ))
-        if relays:
-            self._gloo_group((self.index, *relays)).send(frame, payload, 0, timeout)
+        on_cuda = bool(payload) and payload[0].is_cuda
+        settings = get_settings()
+        if relays and not on_cuda and sum(t.numel() for t in payload) >= max(
+            1, settings.bcast_chain_min_bytes
+        ):
+            failures = self._send_chain(frame, payload, local, relays, deadline, timeout)
+        else:
+            failures = self._hand_local(frame, payload, tensors, local, deadline, timeout,
+                                        host_wait) if local else {}
+            if relays:
+                gloo = self._gloo_group((self.index, *relays))
+                self.phase = "frame"
+                gloo.send_frame(ROUTE.pack(GLOO, 0, 0) + frame, 0, timeout)
+                gloo.send_payload(payload, 0, timeout)
         if failures:
-            names = ", ".join(f"{self.members[m]} ({exc})" for m, exc in sorted(failures.items()))
-            kind = PeerLostError if any(
-                isinstance(e, PeerLostError) for e in failures.values()
-            ) else CommTimeoutError
-            raise kind(
-                f"broadcast from {self.members[self.index]}: the other members got it, but not "
-                f"{names}",
-                peer=self.members[min(failures)] if len(failures) == 1 else None,
-                op="broadcast",
+            self._raise_failures(failures, [self.index, *relays])
+
+    def _hand_local(
+        self, frame: bytes, payload: list[torch.Tensor], tensors: list[torch.Tensor],
+        local: list[int], deadline: float, timeout: float, host_wait: bool = False,
+    ) -> dict[int, Exception]:
+        """Hand a message to this node's ``local`` members; returns the failures."""
+        failures: dict[int, Exception] = {}
+        self.phase = "local"
+        on_cuda = bool(payload) and payload[0].is_cuda
+        source = self._fanout_source(local, deadline)
+        if on_cuda:
+            order = torch.cuda.current_stream(payload[0].device)
+            failures.update(self._device.send(
+                frame, [t for t in tensors if t.numel()], local, source, self._next_seq,
+                order, deadline, host_wait,
+            ))
+        else:
+            failures.update(source.publish(self._next_seq(), frame, payload, deadline))
+        for member in source.missing():
+            failures.setdefault(member, CommTimeoutError(
+                f"{self._label}: {self.members[member]} did not join within {timeout}s",
+                peer=self.members[member], op="broadcast",
+            ))
+        return failures
+
+    def _raise_failures(self, failures: dict[int, Exception], chain: list[int]) -> None:
+        """Raise for the members that did not get a broadcast from this member (which
+        hands it on along ``chain``): ``PeerLostError`` if one is gone, else
+        ``CommTimeoutError`` (``ProtocolMismatchError`` when all refused it)."""
+        names = ", ".join(f"{self.members[m]} ({exc})" for m, exc in sorted(failures.items()))
+        relays = self.relays(chain[0])
+        broken = [r for r in chain if r in failures]
+        after = []
+        if broken:
+            for relay in chain[chain.index(broken[0]) + 1 :]:
+                after += [relay, *relays.get(relay, [])]
+        if after:
+            names += (f"; nor did the members after {self.members[broken[0]]} along the "
+                      f"chain ({', '.join(str(self.members[m]) for m in after)})")
+        errors = list(failures.values())
+        if any(isinstance(e, PeerLostError) for e in errors):
+            kind: type[CommError] = PeerLostError
+        elif all(isinstance(e, ProtocolMismatchError) for e in errors):
+            kind = ProtocolMismatchError
+        else:
+            kind = CommTimeoutError
+        first = broken[0] if broken else min(failures)
+        where = f"broadcast from {self.members[chain[0]]}"
+        if chain[0] != self.index:
+            where += f", passed on by {self.members[self.index]}"
+        raise kind(
+            f"{where}: the other members got it, but not {names}",
+            peer=self.members[first] if len(failures) == 1 or broken else None,
+            op="broadcast",
+        )
+
+    def _chain_failure(self, member: int, reason: int, what: str, upstream: bool) -> Exception:
+        """The error of a chain failure at ``member`` (``upstream``: one before this member,
+        which got nothing more; else one after it, which did not take the payload)."""
+        kind = {LOST: PeerLostError, TIMEOUT: CommTimeoutError}.get(reason, ProtocolMismatchError)
+        if reason == TIMEOUT:
+            why = ("passed nothing more on within the timeout (a stopped, or overloaded, "
+                   "process)" if upstream else "did not take it within the timeout")
+        else:
+            why = REASONS[reason]
+        return kind(f"{what} {why}", peer=self.members[member], op="broadcast")
+
+    # -- along the chain (a CPU payload to other nodes) ---------------------------------------
+
+    def _send_chain(
+        self, frame: bytes, payload: list[torch.Tensor], local: list[int], relays: list[int],
+        deadline: float, timeout: float,
+    ) -> dict[int, Exception]:
+        """As the source: the frame over Gloo, the payload along the chain, and to this
+        node's members meanwhile (on the helper thread). Returns the failures."""
+        chain = [self.index, *relays]
+        sizes = [t.numel() for t in payload]
+        chunk = record_size(sum(sizes), len(relays), get_settings().bcast_chunk_bytes)
+        run_id = int.from_bytes(os.urandom(8), "little")
+        self.phase = "frame"
+        self._gloo_group(tuple(chain)).send_frame(ROUTE.pack(CHAIN, run_id, chunk) + frame, 0, timeout)
+        local_errors: dict[int, Exception] = {}
+
+        def hand_local() -> concurrent.futures.Future | None:
+            if not local:
+                return None
+            return self._helper().submit(
+                self._hand_cpu, frame, payload, local, deadline, timeout, local_errors
             )
+
+        outcome = self._run_chain(
+            chain, run_id, sizes, [memoryview(t.numpy()) for t in payload], deadline, timeout,
+            hand_local, chunk=chunk,
+        )
+        failures: dict[int, Exception] = dict(local_errors)
+        for member, reason in outcome.failures.items():
+            failures.setdefault(member, self._chain_failure(member, reason, "it", False))
+        return failures
+
+    def _run_chain(
+        self, chain: list[int], run_id: int, sizes: list[int], views: list[memoryview],
+        deadline: float, timeout: float,
+        on_received: Callable[[], concurrent.futures.Future | None], refuse: bool = False,
+        chunk: int | None = None,
+    ) -> Any:
+        """Run this member's part of a broadcast along ``chain``; returns its outcome,
+        once the hand-off to this member's node-mates (if it began) ended too."""
+        place = chain.index(self.index)
+        downstream = chain[place + 1] if place + 1 < len(chain) else None
+        upstream = chain[place - 1] if place else None
+        run = ChainRun(
+            index=self.index, src=chain[0], upstream=upstream,
+            downstream=downstream, members=len(self.members), run_id=run_id, key=self._key,
+            records=plan_records(sizes, chunk or get_settings().bcast_chunk_bytes),
+            views=views, listener=self._listener if place else None,
+            downstream_address=(
+                None if downstream is None
+                else lambda: self._chain_address(downstream, deadline)  # type: ignore[arg-type]
+            ),
+            host=self._host, deadline=deadline, slack=min(1.0, 0.1 * timeout),
+            heartbeat=min(1.0, max(0.05, timeout / 20)), on_received=on_received,
+            refuse=refuse,
+            upstream_address=(  # the source has no listener
+                None if upstream is None or upstream == chain[0]
+                else lambda: self._chain_address(upstream, deadline)  # type: ignore[arg-type]
+            ),
+        )
+        self._run, self.phase = run, "chain"
+        outcome = run.run()
+        if outcome.local is not None:  # it keeps its own deadline: this wait is short
+            try:
+                outcome.local.result(timeout=max(0.0, deadline - time.monotonic()) + 5)
+            except Exception:  # noqa: BLE001 - its failures are its members'; raised below
+                pass
+            run._merge_local()
+        return outcome
+
+    def _hand_cpu(
+        self, frame: bytes, payload: list[torch.Tensor], local: list[int], deadline: float,
+        timeout: float, errors: dict[int, Exception],
+    ) -> dict[int, int]:
+        """On the helper thread: hand a CPU message to ``local`` members; their failures
+        go into ``errors``, and by reason into the result."""
+        try:
+            failures = self._hand_local(frame, payload, [], local, deadline, timeout)
+        except CommError as exc:
+            failures = dict.fromkeys(local, exc)
+        errors.update(failures)
+        return {m: _reason(e) for m, e in failures.items()}
+
+    def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._helper_pool is None:
+            self._helper_pool = concurrent.futures.ThreadPoolExecutor(1, "rlcomm-bcast-local")
+        return self._helper_pool
+
+    def _chain_listener(self) -> ChainListener:
+        """This member's chain listener, made and published on first use."""
+        if self._listener is None:
+            listener = ChainListener(self._host or "127.0.0.1")
+            try:
+                self._group_store().set(f"chain/{self.index}", listener.address.encode())
+            except BaseException:
+                listener.close()
+                raise
+            self._listener = listener
+        return self._listener
+
+    def _chain_address(self, member: int, deadline: float) -> str:
+        """The address of ``member``'s chain listener (it made it before it took the
+        broadcast's frame, so it is there). Raises ``TimeoutError`` when it is not."""
+        store, key = self._group_store(), f"chain/{member}"
+        try:
+            store.wait([key], datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            return store.get(key).decode()
+        except (RuntimeError, CommError) as exc:
+            raise TimeoutError(f"{self.members[member]} published no chain listener: {exc}") from exc
 
     def _fanout_source(self, local: list[int], deadline: float) -> FanoutSource:
         if self._source is None:
@@ -272,11 +494,18 @@ class BroadcastGroup:
 
     # -- receivers ---------------------------------------------------------------------------
 
-    def _recv_local(self, src: int, deadline: float, into: Any = None) -> Any:
+    def _recv_local(
+        self, src: int, deadline: float, into: Any = None, origin: int | None = None
+    ) -> Any:
+        """As a member of ``src``'s node (``src``: the source, or this node's relay of a
+        broadcast from ``origin``): the message through the fan-out."""
+        self.phase = "local"
         sink = self._sink(src, deadline)
         while True:
             msg = self._next_message(sink, src, deadline)
             header, inline, offer = framing.unpack(msg.frame)
+            if offer.startswith(ABORT_NOTE):
+                raise self._note_error(src, src if origin is None else origin, offer)
             if not offer.startswith(SETUP):
                 break
             self._device.set_up(src, offer, deadline)  # then the broadcast's own message
@@ -366,10 +595,131 @@ class BroadcastGroup:
         if sink is not None:
             sink.close()
 
-    def _recv_remote(self, src: int, relays: list[int], timeout: float) -> Any:
-        gloo = self._gloo_group((src, *relays))
-        header, tensors = gloo.recv(0, timeout)
-        return codec.decode(header, tensors)
+    def _recv_remote(
+        self, src: int, relays: dict[int, list[int]], deadline: float, timeout: float,
+        into: Any,
+    ) -> Any:
+        """As a relay: the frame over Gloo, then the payload as its route says; hands it
+        to this node's members (``relays[self.index]``)."""
+        chain = [src, *relays]
+        mates = relays[self.index]
+        self._chain_listener()  # before the frame: the member before this one looks it up
+        gloo = self._gloo_group(tuple(chain))
+        self.phase = "frame"
+        data = gloo.recv_frame(0, timeout)
+        if len(data) < ROUTE.size:
+            raise ProtocolMismatchError(f"{self._label}: a broadcast frame of {len(data)} bytes")
+        route, run_id, chunk = ROUTE.unpack_from(data)
+        frame = data[ROUTE.size :]
+        header, inline, _ = framing.unpack(frame)
+        if route == CHAIN and MIN_CHUNK <= chunk <= MAX_CHUNK and not header.inline:
+            return self._recv_chain(src, chain, mates, header, frame, run_id, chunk, deadline,
+                                    timeout, into)
+        if route != GLOO:
+            raise ProtocolMismatchError(
+                f"{self._label}: a broadcast from {self.members[src]} on route {route} with "
+                f"records of {chunk} bytes"
+            )
+        got = codec.decode(header, gloo.recv_payload(header, inline, 0, timeout))
+        if mates:
+            self._send(got, mates, [], deadline, timeout)
+        return got if into is None else self._fill(got, into, src)
+
+    def _recv_chain(
+        self, src: int, chain: list[int], mates: list[int], header: Any, frame: bytes,
+        run_id: int, chunk: int, deadline: float, timeout: float, into: Any,
+    ) -> Any:
+        """As a relay: the payload along the chain (into ``into``'s tensors themselves
+        when they are CPU tensors), passed on, and handed to ``mates``."""
+        metas = header.tensors
+        total = sum(m.nbytes for m in metas)
+        refused = total > max_message_bytes()
+        targets, misfit = None, None
+        if into is not None and not refused:
+            try:
+                targets = self._targets(header, into, src)
+            except ProtocolMismatchError as exc:
+                misfit = exc  # raised once the payload went on to the others
+        direct = targets is not None and all(
+            t.device.type == "cpu" and t.is_contiguous() for t in targets
+        )
+        if refused:
+            buffers: list[torch.Tensor] = []
+        elif direct:
+            buffers = [codec.as_bytes(t) for t in targets if t.numel()]  # type: ignore[union-attr]
+        else:  # reused memory: fresh pages would fault in as the records land
+            buffers = [pool.take(m.nbytes) for m in metas if m.nbytes]
+        mate_errors: dict[int, Exception] = {}
+
+        def hand_to_mates() -> concurrent.futures.Future | None:
+            if not mates:
+                return None
+            return self._helper().submit(
+                self._hand_cpu, frame, buffers, mates, deadline, timeout, mate_errors
+            )
+
+        outcome = self._run_chain(
+            chain, run_id, [] if refused else [m.nbytes for m in metas if m.nbytes],
+            [memoryview(b.numpy()) for b in buffers], deadline, timeout, hand_to_mates,
+            refuse=refused, chunk=chunk,
+        )
+        if outcome.upstream_error is not None:
+            culprit, reason = outcome.upstream_error
+            if mates:
+                self._note_to_mates(mates, culprit, reason, deadline)
+            if refused:
+                raise ProtocolMismatchError(
+                    f"a broadcast from {self.members[src]} declares {total} bytes, over this "
+                    f"worker's limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)",
+                    peer=self.members[src], op="broadcast",
+                )
+            raise self._chain_failure(culprit, reason, self._along(src, culprit), True)
+        failures: dict[int, Exception] = dict(mate_errors)
+        for member, reason in outcome.failures.items():
+            failures.setdefault(member, self._chain_failure(member, reason, "it", False))
+        if failures:
+            self._raise_failures(failures, chain)
+        if misfit is not None:
+            raise misfit
+        if direct:
+            return into
+        got = codec.decode(header, framing.tensors_from_payload(header, buffers))
+        return got if into is None else self._fill(got, into, src)
+
+    def _along(self, src: int, culprit: int) -> str:
+        """How a member's error names the member of the chain that failed before it."""
+        if culprit == src:
+            what = f"its source {self.members[src]}"
+        else:
+            what = f"{self.members[culprit]}, a member before it along the chain,"
+        return (f"broadcast at {self.members[self.index]} from {self.members[src]}: the payload "
+                f"did not come: {what}")
+
+    def _note_to_mates(self, mates: list[int], culprit: int, reason: int, deadline: float) -> None:
+        """Tell this node's ``mates`` that the chain failed at ``culprit`` (a fan-out note:
+        they raise naming it rather than wait for their deadline)."""
+        note = framing.pack(*codec.encode(None))[0] + ABORT_NOTE + NOTE.pack(culprit, reason)
+        try:
+            self._fanout_source(mates, deadline).publish(self._next_seq(), note, [], deadline)
+        except CommError:  # they time out instead, naming this relay
+            pass
+
+    def _note_error(self, relay: int, origin: int, offer: bytes) -> Exception:
+        """The error a member raises for a relay's note (checked before it is believed:
+        the relay is a member of this group, proven on the fan-out's socket)."""
+        body = offer[len(ABORT_NOTE):]
+        if len(body) != NOTE.size:
+            return ProtocolMismatchError(f"a malformed chain note from {self.members[relay]}")
+        culprit, reason = NOTE.unpack(body)
+        if culprit >= len(self.members) or reason not in REASONS:
+            return ProtocolMismatchError(f"a malformed chain note from {self.members[relay]}")
+        if reason == REFUSED and culprit == relay:
+            return ProtocolMismatchError(
+                f"broadcast at {self.members[self.index]} from {self.members[origin]}: this "
+                f"node's relay {self.members[relay]} refused the payload (over its size "
+                "limit)", peer=self.members[relay], op="broadcast",
+            )
+        return self._chain_failure(culprit, reason, self._along(origin, culprit), True)
 
     # -- stores and Gloo groups ----------------------------------------------------------------
 
@@ -393,6 +743,11 @@ class BroadcastGroup:
         """Stop taking broadcasts and free the shared memory (not under the group's lock:
         a broadcast in flight may hold it until its deadline)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._helper_pool is not None:
+            self._helper_pool.shutdown(wait=False, cancel_futures=True)
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         self._device.close()
         source, self._source = self._source, None
         if source is not None:

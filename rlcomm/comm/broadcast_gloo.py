@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import MessageHeader
+from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.base import (
     FOREVER,
@@ -22,6 +23,7 @@ from rlcomm.comm.transports.base import (
     map_error,
 )
 from rlcomm.comm.transports.gloo import new_gloo_group
+from rlcomm.errors import ProtocolMismatchError
 
 
 class GlooBroadcast:
@@ -75,14 +77,28 @@ class GlooBroadcast:
     def send(self, frame: bytes, payload: list[torch.Tensor], src: int, timeout: float) -> None:
         """As rank ``src``: send a message's frame, then its payload (uint8 CPU views, or
         CUDA tensors)."""
+        self.send_frame(frame, src, timeout)
+        self.send_payload(payload, src, timeout)
+
+    def send_frame(self, frame: bytes, src: int, timeout: float) -> None:
+        """As rank ``src``: send a frame (any bytes; what follows is the caller's)."""
+        self._run(self._connect(timeout), fixed_frames(frame), src, timeout)
+
+    def send_payload(self, payload: list[torch.Tensor], src: int, timeout: float) -> None:
+        """As rank ``src``: send a message's payload (after its frame)."""
         pg = self._connect(timeout)
-        on_cuda = bool(payload) and payload[0].is_cuda
-        self._run(pg, [*fixed_frames(frame), *([] if on_cuda else payload)], src, timeout)
-        if on_cuda:
+        if payload and payload[0].is_cuda:
             self._broadcast_cuda(payload, src, timeout)
+        else:
+            self._run(pg, payload, src, timeout)
 
     def recv(self, src: int, timeout: float) -> tuple[MessageHeader, list[Any]]:
         """As any other rank: the header and tensors of the message ``src`` sends."""
+        header, inline, _ = framing.unpack(self.recv_frame(src, timeout))
+        return header, self.recv_payload(header, inline, src, timeout)
+
+    def recv_frame(self, src: int, timeout: float) -> bytes:
+        """As any other rank: the frame ``src`` sends with :meth:`send_frame`."""
         pg = self._connect(timeout)
         first = torch.empty(FRAME_BYTES, dtype=torch.uint8)
         self._run(pg, [first], src, timeout)
@@ -91,18 +107,35 @@ class GlooBroadcast:
             more = torch.empty(rest, dtype=torch.uint8)
             self._run(pg, [more], src, timeout)
             frame += more.numpy().tobytes()
-        header, inline, _ = framing.unpack(frame)
+        return frame
+
+    def recv_payload(
+        self, header: MessageHeader, inline: bytes, src: int, timeout: float
+    ) -> list[Any]:
+        """As any other rank: the tensors of the message whose frame held ``header``
+        and ``inline`` (checked against ``RLCOMM_MAX_MESSAGE_BYTES`` before any is made).
+
+        Raises:
+            ProtocolMismatchError: the message is over this process's size limit.
+        """
         metas = header.tensors
         if header.inline or not metas:
-            return header, framing.split_inline(header, inline)
+            return framing.split_inline(header, inline)
+        total = sum(m.nbytes for m in metas)
+        if total > max_message_bytes():
+            raise ProtocolMismatchError(
+                f"{self._label}: a broadcast declares {total} bytes, over this worker's "
+                f"limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)"
+            )
+        pg = self._connect(timeout)
         if metas[0].device.startswith("cuda"):
             device = torch.device("cuda", torch.cuda.current_device())
             tensors = [codec.empty_like_meta(m, device) for m in metas]
             self._broadcast_cuda(tensors, src, timeout)
-            return header, tensors
+            return tensors
         tensors = [codec.empty_like_meta(m, torch.device("cpu")) for m in metas]
         self._run(pg, [codec.as_bytes(t) for t in tensors if t.numel()], src, timeout)
-        return header, tensors
+        return tensors
 
     def _broadcast_cuda(self, tensors: list[torch.Tensor], src: int, timeout: float) -> None:
         device = tensors[0].device

@@ -462,7 +462,7 @@ class CommManager:
         group = BroadcastGroup(
             connect_store, list(members), members.index(self.address),
             nodes=[(e.node_id, e.host) for e in eps], pids=[e.pid for e in eps],
-            host=self.endpoint.host,
+            host=self.endpoint.host, secret=self._secret,
         )
         with self._lock:
             return self._bcast.setdefault(members, group)

@@ -275,8 +275,16 @@ class Worker(DispatchInfoMixin):
         source's or another receiver's. The segment goes back to the source's pool when
         every receiver has freed its tensors; a source whose receivers still hold
         ``RLCOMM_BCAST_MAX_SLOTS`` (4) earlier broadcasts waits (up to the timeout) for
-        one to be freed. Participants on other nodes get it over Gloo (NCCL for CUDA
-        tensors), one transfer each.
+        one to be freed. Participants on other nodes get it through their node's *relay*
+        (the first of them there), which hands it to its node-mates as above. A CPU
+        payload of at least ``RLCOMM_BCAST_CHAIN_MIN_BYTES`` (1 MiB) goes to the relays
+        along a chain, pipelined in records of ``RLCOMM_BCAST_CHUNK_BYTES`` (1 MiB): each
+        node forwards a record while the next arrives, so the last of ``n`` nodes has it
+        about one transfer plus ``n - 2`` record times after the start. A smaller payload
+        goes by Gloo's broadcast, a CUDA one by NCCL's. Along the chain, a relay that
+        dies makes every member after it raise ``PeerLostError`` naming it (and one that
+        stops, ``CommTimeoutError`` naming it); a relay receives a CPU payload straight
+        into ``into``'s CPU tensors, which then hold part of it if the broadcast fails.
 
         CUDA tensors go by GPU: a participant on the source's node that sees the source's
         GPU (the same one, as colocated workers do) copies them straight from the
@@ -296,8 +304,9 @@ class Worker(DispatchInfoMixin):
             the source, its own ``object``.
 
         Raises:
-            PeerLostError: on the source, when a receiver's process is gone (the other
-                receivers got the object); on a receiver, when the source's is.
+            PeerLostError: on the source (and on a relay), when a receiver's process is
+                gone (the other receivers got the object); on a receiver, when the
+                source's is, or a relay's before it.
             CommTimeoutError: nothing arrived within the timeout, or (on the source) a
                 receiver did not join, or held every segment, in time.
         """

@@ -77,6 +77,12 @@ class Caster(Worker):
 
         return self._comm._bcast[tuple(expand_groups(groups))].relays(src_index)
 
+    def broadcast_progress(self, groups):
+        """This member's group's ``progress()`` (its latest broadcast)."""
+        from rlcomm.comm.broadcast import expand_groups
+
+        return self._comm._bcast[tuple(expand_groups(groups))].progress()
+
     def broadcast_pool_bytes(self):
         return sum(g.pool_bytes for g in self._comm._bcast.values())
 

@@ -1,0 +1,524 @@
+#!/usr/bin/env python
+"""Weight sync across nodes, on emulated nodes of this machine, four ways, one run.
+
+The script makes ``--nodes`` Ray nodes of this machine, each in its own network
+namespace on one bridge (addresses from 198.18.0.0/24), with every node's link shaped to
+``--rate`` each way with ``tc`` (default 1 Gbit/s: the link, not the machine's cores, is
+then the bottleneck), one worker per node. A state dict (``--mib`` MiB in ``--tensors``
+float32 tensors; 256 MiB in 16 by default) goes from the trainer's worker on the first
+node to one worker on each of the next ``N - 1`` nodes, for N = 2 .. ``--nodes``:
+
+- ``rlcomm pipelined``: ``Worker.broadcast`` along the chain of the nodes (each node
+  forwards each record of ``RLCOMM_BCAST_CHUNK_BYTES`` while the next arrives);
+- ``rlcomm star (Gloo)``: ``Worker.broadcast`` with the chain turned off at the source
+  (``RLCOMM_BCAST_CHAIN_MIN_BYTES`` above the payload): Gloo's broadcast in the group of
+  the source and the relays;
+- ``Ray object store``: plain Ray actors, one per node; the trainer's ``ray.put``\\ s the
+  dict once and each other actor ``ray.get``\\ s it (zero-copy torch tensors);
+- ``bound``: one node-to-node transfer of the same dict at the link rate, measured in the
+  same run as one rlcomm ``send`` from the first node to the second.
+
+A figure is the time from the source's start until the last receiver holds the whole
+dict (receivers note the wall clock when their call returns: all processes share this
+machine's clock), the median of ``--repeats`` rounds after a first round that is not
+counted (connections, groups and fresh memory). The ways take turns round by round, so
+a change in the machine's load falls on all of them alike. Two more sweeps, at the most
+nodes: the chain against the star for payloads of 64 KiB to 64 MiB (where the chain
+starts to pay: ``RLCOMM_BCAST_CHAIN_MIN_BYTES``), and the chain's record size
+(``RLCOMM_BCAST_CHUNK_BYTES``).
+
+Needs root, ``ip`` and ``tc``; removes only what it made (its Ray nodes and the
+processes inside its own namespaces, by PID; its namespaces, by name; its temp
+directory). Writes the tables to stdout, and on request the records (``--json``), a
+figure of time against N (``--png``) and the figures section of the docs (``--md``,
+between its markers).
+
+    sudo .venv/bin/python scripts/bench_multinode.py --json docs/bench_multinode.json \\
+        --png docs/bench_multinode.png --md docs/multinode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from rlcomm import Worker, update_settings  # noqa: E402
+
+GROUP = "bench_mn"
+PIPELINED, STAR, RAY, BOUND = (
+    "rlcomm pipelined", "rlcomm star (Gloo)", "Ray object store", "bound: one node-to-node send",
+)
+WAYS = [PIPELINED, STAR, RAY, BOUND]
+MD_BEGIN, MD_END = "<!-- bench_multinode:begin -->", "<!-- bench_multinode:end -->"
+MIB = 1 << 20
+#: The chain stays on for every size with this; the star is taken with ``NEVER``.
+ALWAYS, NEVER = 1, 1 << 62
+
+
+# -- inside the cluster: the driver ------------------------------------------------------------
+
+
+def state_dict(mib: float, tensors: int) -> dict[str, torch.Tensor]:
+    numel = max(1, int(mib * MIB) // 4 // tensors)
+    return {f"layers.{i}.weight": torch.full((numel,), float(i)) for i in range(tensors)}
+
+
+class BenchWorker(Worker):
+    """Rank r runs on node r; rank 0 is the trainer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self._sd: Any = None
+        self._held: Any = None
+
+    def make(self, mib: float, tensors: int) -> int:
+        self._sd = state_dict(mib, tensors)
+        return sum(t.numel() * 4 for t in self._sd.values())
+
+    def configure(self, settings: dict) -> bool:
+        update_settings(**settings)
+        return True
+
+    def _sync(self, n: int) -> None:
+        """Every receiver is inside its call before the source starts."""
+        if self._rank == 0:
+            for r in range(1, n):
+                self.recv(GROUP, r)
+        else:
+            self.send(0, GROUP, 0)
+
+    def bcast(self, n: int) -> float:
+        members = [(GROUP, list(range(n)))]
+        self._sync(n)
+        if self._rank == 0:
+            start = time.time()
+            self.broadcast(self._sd, groups=members)
+            return start
+        self._held = None  # the last round's weights go as the new ones come
+        self._held = self.broadcast(None, groups=members)
+        return time.time()
+
+    def p2p(self) -> float:
+        self._sync(2)
+        if self._rank == 0:
+            start = time.time()
+            self.send(self._sd, GROUP, 1)
+            return start
+        self._held = None
+        self._held = self.recv(GROUP, 0)
+        return time.time()
+
+
+@ray.remote(num_cpus=0, runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}})
+class RayPeer:
+    """A plain Ray actor on one node: the first one puts, the others get."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self._sd: Any = None
+        self._held: Any = None
+
+    def make(self, mib: float, tensors: int) -> bool:
+        self._sd = state_dict(mib, tensors)
+        return True
+
+    def take(self, refs: list) -> float:
+        self._held = None
+        self._held = ray.get(refs[0])
+        return time.time()
+
+    def round(self, receivers: list) -> float:
+        ray.get([r.take.remote([ray.put(0)]) for r in receivers])  # all idle first
+        start = time.time()
+        ref = ray.put(self._sd)
+        ends = ray.get([r.take.remote([ref]) for r in receivers])
+        return max(ends) - start
+
+
+def _inner(spec: dict) -> dict:
+    """Runs in the first node's namespace: every measurement; returns the records."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rlcomm import Cluster, NodePlacementStrategy
+    from tests.netns import GCS_PORT, wait_for_port
+
+    ips = spec["ips"]
+    wait_for_port(f"{ips[0]}:{GCS_PORT}", 120)
+    ray.init(address=f"{ips[0]}:{GCS_PORT}", logging_level="ERROR")
+    cluster = Cluster(num_nodes=len(ips), timeout=180)
+    by_ip = {n.ip: n for n in cluster.nodes}
+    update_settings(comm_timeout=600.0)  # workers start with it: large sends on slow links
+    workers = BenchWorker.create_group().launch(
+        cluster, NodePlacementStrategy([by_ip[ip].node_rank for ip in ips]), name=GROUP
+    )
+    peers = [RayPeer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        by_ip[ip].node_id, soft=False)).remote() for ip in ips]
+    wait = 900.0
+    records: list[dict] = []
+
+    def log(msg: str) -> None:
+        print(f"BENCH {msg}", flush=True)
+
+    def configure(settings: dict) -> None:
+        workers.execute_on(0).configure(settings).wait(timeout=wait)
+
+    def once(way: str, n: int) -> float:
+        if way in (PIPELINED, STAR):
+            configure({"bcast_chain_min_bytes": ALWAYS if way == PIPELINED else NEVER})
+            times = workers.execute_on(*range(n)).bcast(n).wait(timeout=wait)
+            return max(times[1:]) - times[0]
+        if way == BOUND:
+            times = workers.execute_on(0, 1).p2p().wait(timeout=wait)
+            return times[1] - times[0]
+        return ray.get(peers[0].round.remote(peers[1:n]), timeout=wait)
+
+    def measure(ways: list[str], n: int, case: dict, repeats: int) -> None:
+        """First rounds of each way, then ``repeats`` rounds with the ways in turn."""
+        firsts = {way: once(way, n) for way in ways}
+        samples: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(repeats):
+            for way in ways:
+                samples[way].append(once(way, n))
+        for way in ways:
+            got = samples[way]
+            records.append({**case, "way": way, "nodes": n, "first": firsts[way],
+                            "median": statistics.median(got), "min": min(got),
+                            "max": max(got), "samples": got})
+            log(f"{case['sweep']} {way:30s} N={n} {case.get('bytes', 0) / MIB:8.2f} MiB "
+                f"chunk {case.get('chunk', 0) / MIB:g} MiB: {statistics.median(got):7.3f} s "
+                f"(min {min(got):.3f}, max {max(got):.3f}; first {firsts[way]:.3f})")
+
+    chunk = spec["chunk"]
+    nodes = len(ips)
+    size = workers.execute_on(0).make(spec["mib"], spec["tensors"]).wait(timeout=wait)[0]
+    ray.get(peers[0].make.remote(spec["mib"], spec["tensors"]), timeout=wait)
+    configure({"bcast_chunk_bytes": chunk})
+    for n in spec["counts"]:
+        if n > nodes:
+            continue
+        measure(WAYS, n, {"sweep": "nodes", "bytes": size, "chunk": chunk}, spec["repeats"])
+    for mib in spec["switch_mib"]:
+        got = workers.execute_on(0).make(mib, spec["tensors"]).wait(timeout=wait)[0]
+        for n in spec["switch_nodes"]:
+            if n <= nodes:
+                measure([PIPELINED, STAR], n, {"sweep": "switch", "bytes": got, "chunk": chunk},
+                        spec["switch_repeats"])
+    workers.execute_on(0).make(spec["mib"], spec["tensors"]).wait(timeout=wait)
+    for c in spec["chunks"]:
+        configure({"bcast_chunk_bytes": c})
+        measure([PIPELINED], nodes, {"sweep": "chunk", "bytes": size, "chunk": c},
+                spec["repeats"])
+    configure({"bcast_chunk_bytes": chunk})
+    workers.shutdown()
+    return {"records": records}
+
+
+# -- outside: the cluster, the tables, the files ------------------------------------------------
+
+
+def _get(records: list[dict], sweep: str, way: str, **match: Any) -> float | None:
+    for r in records:
+        if r["sweep"] == sweep and r["way"] == way and all(r.get(k) == v for k, v in match.items()):
+            return r["median"]
+    return None
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:g} MiB" if n >= MIB else f"{n / 1024:g} KiB"
+
+
+def tables(result: dict) -> str:
+    """The run's tables (markdown) and the acceptance figures under them."""
+    records, args = result["records"], result["args"]
+    counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
+    size = next((r["bytes"] for r in records if r["sweep"] == "nodes"), 0)
+    lines = [
+        f"Seconds until the last of the N - 1 receiving nodes holds the {_size(size)} state "
+        f"dict ({args['tensors']} float32 tensors), median of {args['repeats']} rounds "
+        f"(first round in brackets), links shaped to {args['rate']} each way:",
+        "",
+        "| N (nodes) | " + " | ".join(str(n) for n in counts) + " |",
+        "| --- |" + " --- |" * len(counts),
+    ]
+    for way in WAYS:
+        cells = []
+        for n in counts:
+            med = _get(records, "nodes", way, nodes=n)
+            first = next((r["first"] for r in records if r["sweep"] == "nodes"
+                          and r["way"] == way and r["nodes"] == n), None)
+            cells.append("-" if med is None else f"{med:.2f} ({first:.2f})")
+        lines.append(f"| {way} | " + " | ".join(cells) + " |")
+    ratio = [("pipelined / bound", PIPELINED, BOUND), ("star / pipelined", STAR, PIPELINED),
+             ("Ray / pipelined", RAY, PIPELINED)]
+    for name, a, b in ratio:
+        cells = []
+        for n in counts:
+            x, y = _get(records, "nodes", a, nodes=n), _get(records, "nodes", b, nodes=n)
+            cells.append("-" if not x or not y else f"{x / y:.2f}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    growth = []
+    for prev, n in zip(counts, counts[1:]):
+        x, y = _get(records, "nodes", PIPELINED, nodes=n), _get(records, "nodes", PIPELINED,
+                                                                 nodes=prev)
+        growth.append("-" if not x or not y else f"{(x / y - 1) * 100:+.0f} %")
+    lines.append("| pipelined, change from N - 1 | - | " + " | ".join(growth) + " |")
+    sw = sorted({r["bytes"] for r in records if r["sweep"] == "switch"})
+    if sw:
+        lines += ["", "Where the chain starts to pay (`RLCOMM_BCAST_CHAIN_MIN_BYTES`): "
+                  "milliseconds, median:", "",
+                  "| payload | " + " | ".join(_size(b) for b in sw) + " |",
+                  "| --- |" + " --- |" * len(sw)]
+        for n in sorted({r["nodes"] for r in records if r["sweep"] == "switch"}):
+            for way in (PIPELINED, STAR):
+                lines.append(f"| {way}, N = {n} | " + " | ".join(_fmt(
+                    (_get(records, "switch", way, bytes=b, nodes=n) or 0) * 1e3, 1) for b in sw
+                ) + " |")
+    ch = sorted({r["chunk"] for r in records if r["sweep"] == "chunk"})
+    if ch:
+        n = max(r["nodes"] for r in records if r["sweep"] == "chunk")
+        lines += ["", f"The chain's record size (`RLCOMM_BCAST_CHUNK_BYTES`), {_size(size)} to "
+                  f"{n - 1} nodes, seconds, median:", "",
+                  "| record | " + " | ".join(_size(c) for c in ch) + " |",
+                  "| --- |" + " --- |" * len(ch),
+                  f"| {PIPELINED} | " + " | ".join(
+                      _fmt(_get(records, "chunk", PIPELINED, chunk=c), 3) for c in ch) + " |"]
+    return "\n".join(lines)
+
+
+def acceptance(result: dict) -> dict[str, Any]:
+    """The issue's acceptance figures from one run (None where a point is missing)."""
+    records = result["records"]
+    counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
+    last = counts[-1] if counts else None
+
+    def at(way: str, n: int | None) -> float | None:
+        return None if n is None else _get(records, "nodes", way, nodes=n)
+
+    pipe = {n: at(PIPELINED, n) for n in counts}
+    steps = [pipe[b] / pipe[a] - 1 for a, b in zip(counts, counts[1:]) if pipe[a] and pipe[b]]
+    out: dict[str, Any] = {"nodes": last}
+    p, bound, ray_t = at(PIPELINED, last), at(BOUND, last), at(RAY, last)
+    out["pipelined_over_bound"] = None if not p or not bound else p / bound
+    # The bound is measured at every N: the median of all its rounds, for one noisy point.
+    every = [x for r in records if r["sweep"] == "nodes" and r["way"] == BOUND
+             for x in r["samples"]]
+    out["bound_all_rounds"] = statistics.median(every) if every else None
+    out["pipelined_over_bound_all_rounds"] = (
+        None if not p or not every else p / statistics.median(every))
+    out["growth_per_node_max"] = max(steps) if steps else None
+    out["ray_over_pipelined"] = None if not p or not ray_t else ray_t / p
+    return out
+
+
+def plot(result: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records, args = result["records"], result["args"]
+    counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    styles = {PIPELINED: "o-", STAR: "s--", RAY: "^:", BOUND: "k-"}
+    for way in WAYS:
+        ys = [_get(records, "nodes", way, nodes=n) for n in counts]
+        if way == BOUND:
+            ax.axhline(statistics.median([y for y in ys if y]), color="0.45", lw=1.2,
+                       ls="--", label="one node-to-node transfer", zorder=0)
+        else:
+            ax.plot(counts, ys, styles[way], label=way)
+    size = next((r["bytes"] for r in records if r["sweep"] == "nodes"), 0)
+    ax.set_xlabel("nodes (the trainer's and N - 1 receiving nodes)")
+    ax.set_ylabel("seconds until the last node holds it")
+    ax.set_xticks(counts)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{_size(size)} state dict, links of {args['rate']} each way", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def md_section(result: dict, png: str | None) -> str:
+    host = result["host"]
+    acc = acceptance(result)
+    fig = f"\n![time against N]({os.path.basename(png)})\n" if png else ""
+    return (
+        f"{MD_BEGIN}\n"
+        f"From one run of `scripts/bench_multinode.py` ({host['cpus']} cores, "
+        f"load average {host['load_before']} before the run and {host['load_after']} after it, "
+        f"Python {host['python']}):\n\n{tables(result)}\n\n"
+        f"At {acc['nodes']} nodes the pipelined broadcast took "
+        f"{_fmt(acc['pipelined_over_bound'])}x one node-to-node transfer measured beside it "
+        f"({_fmt(acc['pipelined_over_bound_all_rounds'])}x the median of all "
+        f"{_fmt(acc['bound_all_rounds'])} s transfers of the run), Ray's object store "
+        f"{_fmt(acc['ray_over_pipelined'])}x the pipelined broadcast; from one node count to "
+        f"the next the pipelined broadcast grew by at most "
+        f"{_fmt((acc['growth_per_node_max'] or 0) * 100, 0)} %.\n{fig}{MD_END}"
+    )
+
+
+def write_md(path: str, section: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    if MD_BEGIN in text and MD_END in text:
+        head, rest = text.split(MD_BEGIN, 1)
+        text = head + section + rest.split(MD_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _parse_list(kind: type) -> Any:
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=5, help="emulated nodes (at least 2)")
+    parser.add_argument("--rate", default="1gbit", help="each node's link, each way (tc syntax)")
+    parser.add_argument("--mib", type=float, default=256, help="state dict size in MiB")
+    parser.add_argument("--tensors", type=int, default=16, help="tensors in the state dict")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per case")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="the chain's record size in bytes (default: the setting's)")
+    parser.add_argument("--switch-mib", type=_parse_list(float),
+                        default=[1 / 64, 1 / 16, 0.25, 1, 4, 16],
+                        help="payload sizes (MiB) of the chain-against-star sweep ('' for none)")
+    parser.add_argument("--chunks", type=_parse_list(int),
+                        default=[256 << 10, 1 << 20, 4 << 20, 16 << 20],
+                        help="record sizes (bytes) of the record-size sweep ('' for none)")
+    parser.add_argument("--object-store-mib", type=int, default=640,
+                        help="each Ray node's object store")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--png", help="write the figure (time against N) here")
+    parser.add_argument("--md", help="write the figures section into this docs page")
+    parser.add_argument("--from-json", help="print (and write) the tables of an earlier run")
+    parser.add_argument("--inner", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run_cluster(args: argparse.Namespace) -> dict:
+    """Make the emulated cluster, run the measurements inside it, remove it."""
+    from rlcomm import get_settings
+    from tests.netns import NetnsCluster, ray_env, unsupported
+
+    reason = unsupported(need_tc=True)
+    if reason:
+        raise SystemExit(f"bench_multinode: {reason}")
+    if args.nodes < 2:
+        raise SystemExit("bench_multinode: --nodes must be at least 2")
+    cluster = NetnsCluster(args.nodes)
+    tmp = tempfile.mkdtemp(prefix="rlcb-")  # short: Ray's unix socket paths live under it
+    nodes = []
+    load_before = _load()
+    try:
+        cluster.make()
+        cluster.shape(args.rate)
+        env = ray_env()
+        for i in range(args.nodes):
+            nodes.append(cluster.start_node(
+                i, os.path.join(tmp, f"n{i}"), os.path.join(tmp, f"node{i}.log"), env,
+                object_store_bytes=args.object_store_mib * MIB,
+            ))
+        spec = {
+            "ips": cluster.ips, "mib": args.mib, "tensors": args.tensors,
+            "repeats": args.repeats, "chunk": args.chunk or get_settings().bcast_chunk_bytes,
+            "counts": list(range(2, args.nodes + 1)), "switch_mib": args.switch_mib,
+            "switch_nodes": sorted({2, args.nodes}), "switch_repeats": max(5, args.repeats),
+            "chunks": args.chunks,
+        }
+        proc = subprocess.Popen(
+            cluster.exec(0, sys.executable, os.path.abspath(__file__), "--inner",
+                         json.dumps(spec)),
+            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )
+        result = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("BENCH_RESULT "):
+                result = json.loads(line.split(" ", 1)[1])
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
+        if result is None or "error" in result:
+            tails = "".join(
+                f"--- node {i}\n" + _tail(os.path.join(tmp, f"node{i}.log")) for i in range(len(nodes))
+            )
+            raise SystemExit(f"bench_multinode: the run failed: "
+                             f"{(result or {}).get('error', f'exit {proc.returncode}')}\n{tails}")
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        cluster.remove()
+        shutil.rmtree(tmp, ignore_errors=True)
+    result["args"] = {k: v for k, v in vars(args).items() if k not in ("inner", "from_json")}
+    result["args"]["chunk"] = spec["chunk"]
+    result["host"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                      "load_before": load_before, "load_after": _load()}
+    result["date"] = time.strftime("%Y-%m-%d")
+    return result
+
+
+def _tail(path: str, n: int = 10) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError as exc:
+        return f"({exc})\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.inner:
+        try:
+            out = _inner(json.loads(args.inner))
+        except Exception as exc:  # noqa: BLE001 - reported to the outer part
+            import traceback
+
+            out = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        print("BENCH_RESULT " + json.dumps(out), flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # threads waiting on the cluster's processes would hold the exit
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+    else:
+        result = run_cluster(args)
+    print(tables(result))
+    print(json.dumps(acceptance(result)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.png:
+        plot(result, args.png)
+    if args.md:
+        write_md(args.md, md_section(result, args.png))
+
+
+if __name__ == "__main__":
+    main()
