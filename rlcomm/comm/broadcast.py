@@ -59,6 +59,7 @@ from rlcomm.comm.broadcast_chain import (
 )
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
+from rlcomm.comm.connection.incoming import Payload, classify
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
@@ -509,28 +510,22 @@ class BroadcastGroup:
             if not offer.startswith(SETUP):
                 break
             self._device.set_up(src, offer, deadline)  # then the broadcast's own message
-        metas = header.tensors
-        sizes = [m.nbytes for m in metas if m.nbytes]
-        if sum(sizes) > max_message_bytes():
-            if offer:
-                self._device.refuse(src, offer, "over the receiver's RLCOMM_MAX_MESSAGE_BYTES")
-            raise ProtocolMismatchError(
-                f"a broadcast from {self.members[src]} declares {sum(sizes)} bytes, over this "
-                f"worker's limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)"
-            )
         try:
+            incoming = classify(header, inline, offer, self.members[src], "a broadcast",
+                                then="nothing of it was read")
             targets = None if into is None else self._targets(header, into, src)
         except ProtocolMismatchError as exc:
             if offer:
-                self._device.refuse(src, offer, f"the receiver's tensors do not fit: {exc}")
+                self._device.refuse(src, offer, f"the receiver refused it: {exc}")
             raise
-        if header.inline or not metas:
-            tensors = framing.split_inline(header, inline)
-        elif offer:
+        if incoming.payload is Payload.INLINE:
+            tensors = incoming.tensors or framing.split_inline(header, inline)
+        elif incoming.payload is Payload.OFFERED:
             tensors = self._device_tensors(src, header, offer, targets)
-        else:
+        else:  # in the fan-out's segment (a CUDA payload staged through host memory too)
+            sizes = [m.nbytes for m in header.tensors if m.nbytes]
             tensors = framing.tensors_from_payload(header, msg.payload(sizes))
-            if metas[0].device.startswith("cuda") and targets is None:
+            if incoming.on_device and targets is None:
                 device = torch.device("cuda", torch.cuda.current_device())
                 tensors = [t.to(device) for t in tensors]
         if targets is None:

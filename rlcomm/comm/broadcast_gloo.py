@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import MessageHeader
-from rlcomm.comm.options import max_message_bytes
+from rlcomm.comm.connection.incoming import Payload, classify
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports.base import (
     FOREVER,
@@ -23,7 +23,6 @@ from rlcomm.comm.transports.base import (
     map_error,
 )
 from rlcomm.comm.transports.gloo import new_gloo_group
-from rlcomm.errors import ProtocolMismatchError
 
 
 class GlooBroadcast:
@@ -116,19 +115,16 @@ class GlooBroadcast:
         and ``inline`` (checked against ``RLCOMM_MAX_MESSAGE_BYTES`` before any is made).
 
         Raises:
-            ProtocolMismatchError: the message is over this process's size limit.
+            ProtocolMismatchError: from :func:`~.connection.incoming.classify` (over this
+                process's size limit, or a frame that does not match its header).
         """
+        incoming = classify(header, inline, b"", f"rank {src} of {self._label}", "a broadcast",
+                            then="nothing of its payload was read")
+        if incoming.payload is Payload.INLINE:
+            return incoming.tensors or framing.split_inline(header, inline)
         metas = header.tensors
-        if header.inline or not metas:
-            return framing.split_inline(header, inline)
-        total = sum(m.nbytes for m in metas)
-        if total > max_message_bytes():
-            raise ProtocolMismatchError(
-                f"{self._label}: a broadcast declares {total} bytes, over this worker's "
-                f"limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)"
-            )
         pg = self._connect(timeout)
-        if metas[0].device.startswith("cuda"):
+        if incoming.on_device:
             device = torch.device("cuda", torch.cuda.current_device())
             tensors = [codec.empty_like_meta(m, device) for m in metas]
             self._broadcast_cuda(tensors, src, timeout)

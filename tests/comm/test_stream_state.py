@@ -302,3 +302,25 @@ def test_a_message_that_does_not_check_out_is_refused_before_anything_is_allocat
 ):
     with pytest.raises(ProtocolMismatchError, match=text):
         classify(header, inline, offer, "peer:0")
+
+
+@pytest.mark.parametrize(
+    ("header", "inline", "text"),
+    [
+        (_header(nbytes=1 << 40), b"", "over this worker's limit"),
+        (_header(nbytes=4, inline=4), b"abc", "carries 4 inline"),
+    ],
+)
+def test_a_broadcast_frame_is_checked_as_a_message_is(header, inline, text):
+    """The Gloo route of a broadcast reads a payload through the same check as a
+    connection: refused before its group is made or anything is allocated."""
+    from rlcomm.comm.broadcast_gloo import GlooBroadcast
+
+    def no_store():
+        raise AssertionError("the group was made for a refused broadcast")
+
+    gloo = GlooBroadcast(no_store, rank=1, size=2, label="group bc")
+    with pytest.raises(ProtocolMismatchError, match=text) as info:
+        gloo.recv_payload(header, inline, 0, timeout=5)
+    assert "a broadcast from rank 0 of group bc" in str(info.value)
+    assert "nothing of its payload was read" in str(info.value)

@@ -68,11 +68,13 @@ class Incoming:
 
 
 def classify(
-    header: MessageHeader, inline: bytes, offer: bytes, peer: str, what: str = "a message"
+    header: MessageHeader, inline: bytes, offer: bytes, peer: str, what: str = "a message",
+    then: str = "the connection is closed",
 ) -> Incoming:
     """A received message's header checked against this worker's limits and its frame,
     before anything is allocated, and where its payload is: the one place a received
-    message's kind is decided (connections and broadcasts alike).
+    message's kind is decided (connections and broadcasts alike). ``what`` and ``then``
+    word the error: what was received, and what follows from refusing it.
 
     Raises:
         ProtocolMismatchError: it is larger than this worker accepts, or its frame does
@@ -84,20 +86,19 @@ def classify(
     if total > limit:
         raise ProtocolMismatchError(
             f"{what} from {peer} declares {total} bytes, over this worker's "
-            f"limit of {limit} (RLCOMM_MAX_MESSAGE_BYTES); the connection is closed"
+            f"limit of {limit} (RLCOMM_MAX_MESSAGE_BYTES); {then}"
         )
     device = bool(metas) and not header.inline and metas[0].device == "cuda"
     if offer and not device:
         raise ProtocolMismatchError(
-            f"{what} from {peer} carries a device offer but no CUDA tensors; the "
-            "connection is closed"
+            f"{what} from {peer} carries a device offer but no CUDA tensors; {then}"
         )
     msg = Incoming(header, inline, offer, device=device)
     if header.inline or not metas:
         if header.inline != total or len(inline) != total:
             raise ProtocolMismatchError(
                 f"{what} from {peer} declares {total} bytes but carries "
-                f"{header.inline} inline; the connection is closed"
+                f"{header.inline} inline; {then}"
             )
         if header.kind != Kind.RAW:
             msg.tensors = framing.split_inline(header, inline)
