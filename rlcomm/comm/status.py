@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from rlcomm.comm.flight import RECORDER, Op
-from rlcomm.comm.rendezvous import Endpoint, decode_endpoint
+from rlcomm.comm.identity.endpoint import Endpoint, decode_endpoint
 from rlcomm.comm.store_link import StoreLink
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, RlcommError
 

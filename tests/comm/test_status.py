@@ -19,8 +19,8 @@ import ray
 
 import rlcomm
 from rlcomm import Channel, CollectiveGroupOptions, NodePlacementStrategy, Worker
+from rlcomm.comm.identity.endpoint import decode_endpoint
 from rlcomm.comm.identity.registry import registry
-from rlcomm.comm.rendezvous import decode_endpoint
 from rlcomm.errors import CommError
 
 pytestmark = pytest.mark.timeout(300)
