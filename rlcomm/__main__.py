@@ -18,21 +18,33 @@ from rlcomm.errors import RlcommError
 
 
 def _status(args: argparse.Namespace) -> int:
+    import ray
+
     from rlcomm.cluster import connect_ray
     from rlcomm.comm.status import job_status
     from rlcomm.settings import get_settings
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
-        connect_ray(address, get_settings().connect_timeout, start_local=False)
-        status = job_status(timeout=args.timeout)
+        # No worker's logs are wanted here: the output is the status alone.
+        connect_ray(address, get_settings().connect_timeout, {"log_to_driver": False},
+                    start_local=False)
     except RlcommError as exc:
         print(f"rlcomm status: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(status.to_json())
-    else:
-        print(status.table(recent=args.recent), end="")
+    try:
+        status = job_status(timeout=args.timeout)
+        if args.json:
+            print(status.to_json())
+        else:
+            print(status.table(recent=args.recent), end="")
+        sys.stdout.flush()
+    except RlcommError as exc:
+        print(f"rlcomm status: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        # Detached now, Ray's exit hook does not wait its half second for logs to print.
+        ray.shutdown()
     return 0 if all(w["state"] == "ok" for w in status.workers) else 1
 
 

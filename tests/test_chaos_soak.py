@@ -34,8 +34,8 @@ import torch
 
 import rlcomm
 from rlcomm import Channel, CollectiveGroupOptions, NodePlacementStrategy, Worker
+from rlcomm.comm.identity.endpoint import decode_endpoint
 from rlcomm.comm.identity.registry import registry
-from rlcomm.comm.rendezvous import decode_endpoint
 from rlcomm.errors import ChannelClosedError, RlcommError
 
 pytestmark = pytest.mark.timeout(300)

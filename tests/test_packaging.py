@@ -1,6 +1,7 @@
 """Package metadata: every third-party import is a declared dependency, and the files a
-user looks for (LICENSE, CHANGELOG, version) exist. The wheel itself is built and
-installed into a fresh venv by scripts/check_wheel (CI)."""
+user looks for (LICENSE, CHANGELOG, version) exist. The public names are imported on
+first use, and ``python -m rlcomm status`` imports no torch. The wheel itself is built
+and installed into a fresh venv by scripts/check_wheel (CI)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ast
 import importlib.metadata
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -65,3 +67,52 @@ def test_metadata_a_user_looks_for():
     except importlib.metadata.PackageNotFoundError:
         return
     assert installed == rlcomm.__version__
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """``name -> module`` of the imports under ``if TYPE_CHECKING:`` in rlcomm/__init__.py
+    (what type checkers and the API reference read)."""
+    with open(os.path.join(ROOT, "rlcomm", "__init__.py")) as f:
+        tree = ast.parse(f.read())
+    [block] = [n for n in tree.body if isinstance(n, ast.If)
+               and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"]
+    return {a.asname or a.name: node.module for node in block.body
+            if isinstance(node, ast.ImportFrom) for a in node.names}
+
+
+def test_every_public_name_is_imported_on_first_use():
+    """``__all__``, the names imported for type checkers and the names imported on first
+    use are the same, and each is the object its module defines."""
+    assert _type_checking_imports() == rlcomm._MODULE_OF
+    assert sorted(rlcomm.__all__) == sorted([*rlcomm._MODULE_OF, "__version__"])
+    for name, module in rlcomm._MODULE_OF.items():
+        assert getattr(rlcomm, name) is getattr(importlib.import_module(module), name), name
+    assert set(rlcomm.__all__) <= set(dir(rlcomm))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        rlcomm.nothing  # noqa: B018
+
+
+_STATUS_PATH = """
+import os, sys
+import rlcomm.__main__
+from rlcomm.comm import status
+from rlcomm.errors import RlcommError
+try:  # imports what it needs, then finds no Ray to attach to
+    status.job_status(endpoints={}, secret=b"")
+except RlcommError:
+    pass
+else:
+    raise AssertionError("job_status attached to a Ray")
+assert "ray" in sys.modules
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("rlcomm"))
+"""
+
+
+def test_the_status_command_imports_no_torch():
+    """``python -m rlcomm status`` imports what ``job_status`` needs (the registry, the
+    store's client, Ray), but not torch, which takes longer to import than the status
+    takes to gather."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", _STATUS_PATH], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

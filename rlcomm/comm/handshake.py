@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.identity.address import WorkerAddress
+from rlcomm.comm.identity.endpoint import Endpoint
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout, op_timeout
-from rlcomm.comm.rendezvous import Endpoint, Note, connect_store, post
+from rlcomm.comm.rendezvous import Note, connect_store, post
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.registry import PairFacts, TransportSetup

@@ -34,14 +34,10 @@ from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.flight import RECORDER
 from rlcomm.comm.handshake import Handshake, parse_address  # noqa: F401 - parse_address: the channel uses it from here
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
+from rlcomm.comm.identity.endpoint import Endpoint, decode_endpoint, encode_endpoint
 from rlcomm.comm.identity.registry import job_secret, registry
 from rlcomm.comm.options import CollectiveGroupOptions, op_timeout
-from rlcomm.comm.rendezvous import (
-    Endpoint,
-    Mailbox,
-    decode_endpoint,
-    encode,
-)
+from rlcomm.comm.rendezvous import Mailbox
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
@@ -119,7 +115,7 @@ class CommManager:
                                 status=status.report)
         self.endpoint = self._mailbox.endpoint
         status.add_section("process", self._status)
-        ray.get(registry().set_endpoint.remote(str(address), encode(self.endpoint)))
+        ray.get(registry().set_endpoint.remote(str(address), encode_endpoint(self.endpoint)))
 
     # -- the process's manager --------------------------------------------------------------
 

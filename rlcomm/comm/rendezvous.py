@@ -1,11 +1,11 @@
 """Rendezvous: each worker's mailbox store, and the notes workers leave in each other's.
 
 Every communicating process runs an authenticated store (:mod:`rlcomm.comm.store`) on
-its node's address (its *mailbox*) and publishes the address in the registry. Only
-processes that hold the job's secret can connect to it, read a key or leave a note. A
-worker that wants a connection leaves a note in the peer's mailbox; a thread of the peer
-reads notes in order and answers, so a connection forms even while the peer's own code
-is busy elsewhere. A note that cannot be decoded is logged and skipped. The stores also
+its node's address (its *mailbox*) and publishes where it listens in the registry (its
+:class:`~rlcomm.comm.identity.endpoint.Endpoint`). Only processes that hold the job's
+secret can connect to it, read a key or leave a note. A worker that wants a connection
+leaves a note in the peer's mailbox; a thread of the peer reads notes in order and
+answers, so a connection forms even while the peer's own code is busy elsewhere. A note that cannot be decoded is logged and skipped. The stores also
 carry the connections' Gloo/NCCL rendezvous keys, under prefixes private to each
 connection. No fixed ports, no call-order dependence.
 """
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import msgspec
 import torch.distributed as dist
 
+from rlcomm.comm.identity.endpoint import Endpoint
 from rlcomm.comm.store import StoreClient, StoreServer, local_reader
 
 logger = logging.getLogger(__name__)
@@ -29,16 +30,6 @@ logger = logging.getLogger(__name__)
 _READ_SLICE = 1.0
 #: Seconds a numbered note may be missing while later ones wait before it is skipped.
 _GAP_SECONDS = 10.0
-
-
-class Endpoint(msgspec.Struct, frozen=True):
-    """Where a worker's mailbox listens, and which incarnation of the worker it is."""
-
-    host: str
-    port: int
-    node_id: str
-    incarnation: str
-    pid: int
 
 
 class Note(msgspec.Struct, frozen=True):
@@ -57,15 +48,10 @@ class Note(msgspec.Struct, frozen=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_note = msgspec.msgpack.Decoder(Note).decode
-_decode_endpoint = msgspec.msgpack.Decoder(Endpoint).decode
 
 
 def encode(obj: msgspec.Struct) -> bytes:
     return _encode(obj)
-
-
-def decode_endpoint(data: bytes) -> Endpoint:
-    return _decode_endpoint(data)
 
 
 def connect_store(host: str, port: int, secret: bytes, timeout: float) -> StoreClient:

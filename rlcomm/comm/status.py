@@ -39,8 +39,8 @@ from typing import Any
 import msgspec
 
 from rlcomm.comm.flight import RECORDER, Op
-from rlcomm.comm.rendezvous import Endpoint, decode_endpoint
-from rlcomm.comm.store import StoreClient
+from rlcomm.comm.identity.endpoint import Endpoint, decode_endpoint
+from rlcomm.comm.store_link import StoreLink
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, RlcommError
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -129,11 +129,11 @@ def ask(endpoint: Endpoint, secret: bytes, detail: str, timeout: float) -> dict[
         AuthenticationError: the mailbox did not accept this process's proof.
     """
     deadline = time.monotonic() + timeout
-    client = StoreClient(endpoint.host, endpoint.port, secret, timeout)
+    link = StoreLink(endpoint.host, endpoint.port, secret, timeout)
     try:
-        data = client.status(detail, max(0.05, deadline - time.monotonic()))
+        data = link.status(detail, max(0.05, deadline - time.monotonic()))
     finally:
-        client.close()
+        link.close()
     if data is None:
         raise RlcommError(f"the process at {endpoint.host}:{endpoint.port} has no report")
     return decode_report(data)

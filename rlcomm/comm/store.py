@@ -12,12 +12,14 @@ they hold the job's secret:
    which the client checks in turn.
 
 A connection that fails the check is logged and closed: it never reads or writes a key.
-The server (:mod:`rlcomm.comm.store_server`) serves every client from one event loop: a
+The client's end of a connection (:mod:`rlcomm.comm.store_link`) imports no torch; this
+module puts torch's ``Store`` interface over it. The server
+(:mod:`rlcomm.comm.store_server`) serves every client from one event loop: a
 connection that has not proven itself costs no thread, must send its proof within the
 ``store_auth_timeout`` setting (2 s) and is dropped after it; the number of connections
 is bounded (the ``store_max_connections`` setting), the oldest unproven ones dropped
 first. Frames have a size limit, and a started frame must arrive whole within
-:data:`HANDSHAKE_SECONDS`.
+:data:`~rlcomm.comm.store_wire.HANDSHAKE_SECONDS`.
 
 Keys and values are bytes; ``add`` keeps a decimal integer, as TCPStore does. A client
 connection serves one request at a time; a blocking ``get``, ``wait`` or ``take`` is
@@ -29,22 +31,12 @@ doing (:mod:`rlcomm.comm.status`), answered from a thread of rlcomm's own.
 from __future__ import annotations
 
 import datetime
-import hmac
-import logging
-import os
-import socket
-import threading
-import time
 
 import torch.distributed as dist
 
+from rlcomm.comm.store_link import StoreLink
 from rlcomm.comm.store_server import StoreServer, local_reader
 from rlcomm.comm.store_wire import (
-    HANDSHAKE_SECONDS,
-    HELLO,
-    MAC,
-    MAGIC,
-    NONCE,
     OP_ADD,
     OP_APPEND,
     OP_CHECK,
@@ -53,157 +45,12 @@ from rlcomm.comm.store_wire import (
     OP_GET,
     OP_NUM_KEYS,
     OP_SET,
-    OP_STATUS,
     OP_TAKE,
     OP_WAIT,
-    decode,
-    encode,
-    mac,
-    recv_exact,
-    recv_frame,
-    send_frame,
 )
-from rlcomm.errors import AuthenticationError, CommError, CommTimeoutError, PeerLostError
-from rlcomm.settings import get_settings
-
-logger = logging.getLogger(__name__)
+from rlcomm.errors import CommTimeoutError
 
 __all__ = ["StoreClient", "StoreServer", "local_reader", "sub_store"]
-
-
-class _Link:
-    """One authenticated client connection, shared by the store views made from it.
-
-    The server drops a connection whose proof comes later than its
-    ``store_auth_timeout`` after the connect. When this process was that slow (its
-    threads starved, say) and the server closed the connection, the handshake is tried
-    again while ``timeout`` lasts; a prompt proof that is refused is not retried.
-    """
-
-    def __init__(self, host: str, port: int, secret: bytes, timeout: float):
-        self.where = f"{host}:{port}"
-        self.lock = threading.Lock()
-        end = time.monotonic() + timeout
-        while True:
-            started = time.monotonic()
-            try:
-                self.sock = self._handshake(host, port, secret, max(end - started, 0.05))
-                return
-            except _LateProof as exc:
-                if time.monotonic() >= end:
-                    raise exc.error from exc
-                logger.debug("store %s: this process sent its proof late; trying again",
-                             self.where)
-
-    def _handshake(self, host: str, port: int, secret: bytes, timeout: float) -> socket.socket:
-        deadline = time.monotonic() + min(timeout, HANDSHAKE_SECONDS)
-        sock = _connect(host, port, timeout)
-        connected = time.monotonic()
-        sent = connected
-        try:
-            hello = recv_exact(sock, HELLO, deadline)
-            if hello[: len(MAGIC)] != MAGIC:
-                raise AuthenticationError(f"{self.where} is not an rlcomm store")
-            theirs = hello[len(MAGIC) :]
-            mine = os.urandom(NONCE)
-            sent = time.monotonic()
-            sock.sendall(MAGIC + mine + mac(secret, b"client", theirs, mine))
-            proof = recv_exact(sock, MAC, deadline)
-        except TimeoutError as exc:
-            sock.close()
-            raise CommTimeoutError(
-                f"the store at {self.where} took connections but did not answer the "
-                f"handshake within {min(timeout, HANDSHAKE_SECONDS):g}s (its process is "
-                "stopped, or too busy to serve it)"
-            ) from exc
-        except OSError as exc:
-            sock.close()
-            error = AuthenticationError(
-                f"the store at {self.where} refused this process's credentials "
-                f"({exc.__class__.__name__}): is it a worker of another job?"
-            )
-            error.__cause__ = exc
-            if isinstance(exc, ConnectionError) and sent - connected >= _late_proof():
-                raise _LateProof(error) from exc
-            raise error from exc
-        except BaseException:
-            sock.close()
-            raise
-        if not hmac.compare_digest(proof, mac(secret, b"server", mine, theirs)):
-            sock.close()
-            raise AuthenticationError(
-                f"the store at {self.where} did not prove it belongs to this job"
-            )
-        return sock
-
-    def call(self, request: list, timeout: float, strict: bool = False) -> list:
-        """Send ``request`` and return the reply. The server answers a wait at its own
-        deadline: the reply is waited for with a margin of :data:`HANDSHAKE_SECONDS`,
-        none when ``strict`` (a late reply then raises ``CommTimeoutError``, not
-        ``PeerLostError``). A failed call closes the connection."""
-        with self.lock:
-            try:
-                send_frame(self.sock, encode(request))
-                margin = 0.0 if strict else HANDSHAKE_SECONDS
-                reply = recv_frame(self.sock, time.monotonic() + timeout + margin)
-            except TimeoutError as exc:
-                self.close()
-                if strict:
-                    raise CommTimeoutError(
-                        f"the store at {self.where} did not answer within {timeout:g}s"
-                    ) from exc
-                raise PeerLostError(f"the store at {self.where} is gone: {exc!r}") from exc
-            except (OSError, ValueError) as exc:
-                self.close()
-                raise PeerLostError(f"the store at {self.where} is gone: {exc!r}") from exc
-            return decode(reply)
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-class _LateProof(Exception):
-    """The server closed the connection after a proof this process sent late."""
-
-    def __init__(self, error: AuthenticationError):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _late_proof() -> float:
-    """Seconds after the connect past which a proof may have missed the server's
-    deadline (half the ``store_auth_timeout`` setting: the server's may differ)."""
-    return get_settings().store_auth_timeout / 2
-
-
-def _connect(host: str, port: int, timeout: float) -> socket.socket:
-    """A TCP connection to ``host:port``. A refused connection means nobody listens
-    there (the process is gone): it is retried only briefly."""
-    deadline = time.monotonic() + timeout
-    refused_until = time.monotonic() + min(1.0, timeout)
-    while True:
-        try:
-            sock = socket.create_connection(
-                (host, port), timeout=max(0.05, min(deadline - time.monotonic(), 5.0))
-            )
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        except ConnectionRefusedError as exc:
-            if time.monotonic() >= min(deadline, refused_until):
-                raise PeerLostError(
-                    f"nothing listens at {host}:{port} any more: the process is gone"
-                ) from exc
-            time.sleep(0.05)
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise CommTimeoutError(
-                    f"cannot reach {host}:{port} within {timeout}s ({exc.__class__.__name__})"
-                ) from exc
-            time.sleep(0.1)
 
 
 class StoreClient(dist.Store):
@@ -224,10 +71,10 @@ class StoreClient(dist.Store):
     """
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float,
-                 prefix: str = "", _link: _Link | None = None):
+                 prefix: str = "", _link: StoreLink | None = None):
         super().__init__()
         self._args = (host, port, secret, timeout)
-        self._link = _link if _link is not None else _Link(host, port, secret, timeout)
+        self._link = _link if _link is not None else StoreLink(host, port, secret, timeout)
         self._prefix = prefix
         self._timeout_s = timeout
         self.set_timeout(datetime.timedelta(seconds=timeout))
@@ -306,11 +153,7 @@ class StoreClient(dist.Store):
                 store's own timeout when ``None``); the connection is then closed.
             CommError: making the report failed in the server's process.
         """
-        seconds = self._timeout_s if timeout is None else timeout
-        ok, value = self._link.call([OP_STATUS, detail], seconds, strict=True)
-        if not ok:
-            raise CommError(f"store {self._link.where}: {value}")
-        return value  # type: ignore[return-value]
+        return self._link.status(detail, self._timeout_s if timeout is None else timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]

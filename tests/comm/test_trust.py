@@ -24,8 +24,9 @@ import torch
 from rlcomm import CollectiveGroupOptions, NodePlacementStrategy, Worker
 from rlcomm.comm import codec
 from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
+from rlcomm.comm.identity.endpoint import decode_endpoint
 from rlcomm.comm.identity.registry import job_secret, registry
-from rlcomm.comm.rendezvous import Note, decode_endpoint, post
+from rlcomm.comm.rendezvous import Note, post
 from rlcomm.comm.store import StoreClient, StoreServer
 from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import ShmTransport
