@@ -17,7 +17,21 @@ import sys
 from rlcomm.errors import RlcommError
 
 
+def _token_auth_if_token_found() -> None:
+    """Ray turns token authentication on for a cluster ``ray.init()`` starts, and a
+    process that attaches by ``"auto"`` finds the token itself; one that attaches to an
+    address it was given sends the token only under ``RAY_AUTH_MODE=token``. So, as the
+    auto path does, a token this user has (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``
+    or ``~/.ray/auth_token``) turns token mode on, unless ``RAY_AUTH_MODE`` says how."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _status(args: argparse.Namespace) -> int:
+    _token_auth_if_token_found()  # before Ray is imported: it reads its mode then
     import ray
 
     from rlcomm.cluster import connect_ray

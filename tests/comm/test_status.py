@@ -249,3 +249,23 @@ def test_a_timed_out_recv_says_what_its_peer_is_doing(job):
     # After it ran again, it answers: it made no op yet.
     name, text, _ = job.execute_on(6).expect_error("recv_one", GROUP, 9, 2).wait(timeout=60)[0]
     assert f"{GROUP}:9 is in no rlcomm op" in text, text
+
+
+def test_the_command_sends_this_users_ray_token_to_an_address_it_was_given(monkeypatch, tmp_path):
+    """Ray sends its token to an address given to ``ray.init`` only in token mode: the
+    command turns it on when this user has a token, and leaves a mode that is set."""
+    from rlcomm.__main__ import _token_auth_if_token_found
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.setenv(name, "")  # recorded, so the test's changes are undone
+        monkeypatch.delenv(name)
+    token = tmp_path / "auth_token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    _token_auth_if_token_found()
+    assert "RAY_AUTH_MODE" not in os.environ  # no token: Ray's own default
+    token.write_text("0" * 32)
+    _token_auth_if_token_found()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    _token_auth_if_token_found()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"
