@@ -13,7 +13,6 @@ import concurrent.futures
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from rlcomm import Channel, Cluster, NodePlacementStrategy, Worker
 from rlcomm.comm.transports.gloo import new_gloo_group
+from tests.netns import wait_for_port
 
 GROUP = "netns_peers"
 WAIT = 60.0  # seconds any one step may take
@@ -91,27 +91,13 @@ class Peer(Worker):
             return f"failed: {str(exc).splitlines()[0][:200]}"
 
 
-def _wait_for_port(address: str, timeout: float) -> None:
-    """Wait until the head's GCS port takes connections (``ray start`` is still starting)."""
-    host, port = address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on {address} after {timeout}s") from None
-            time.sleep(0.2)
-
-
 def _run(ray_address: str, ips: list[str], result: dict) -> None:
     t0 = time.monotonic()
 
     def step(name: str) -> None:
         result["steps"].append([name, round(time.monotonic() - t0, 1)])
 
-    _wait_for_port(ray_address, START_WAIT)
+    wait_for_port(ray_address, START_WAIT)
     ray.init(address=ray_address, logging_level="WARNING")
     cluster = Cluster(num_nodes=2, timeout=START_WAIT)
     result["node_ips"] = [n.ip for n in cluster.nodes]

@@ -63,11 +63,8 @@ class StoreClient(dist.Store):
         timeout: seconds for connecting, and the default of blocking ops.
 
     Raises:
-        AuthenticationError: the server is not one of this job's, or refused this
-            process's proof.
-        PeerLostError: nothing listens there any more.
-        CommTimeoutError: the server could not be reached, or did not answer the
-            handshake, in time.
+        AuthenticationError, PeerLostError, CommTimeoutError: from connecting, as
+            :class:`~rlcomm.comm.store_link.StoreLink` says.
     """
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float,
