@@ -9,6 +9,7 @@ way (its flight recorder, through :func:`rlcomm.job_status`).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,13 +48,22 @@ async def await_for(predicate: Callable[[], T], what: str, timeout: float = 30.0
 
 
 def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (gone, or a zombie: its files are closed)."""
+    """Whether process ``pid`` has exited: gone, or a zombie whose every thread has
+    ended (its files, sockets among them, are closed then; a killed process's main
+    thread shows as a zombie while its other threads still exit)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        tids = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
         return True
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread ended and is gone
+        if state not in ("Z", "X"):
+            return False
+    return True
 
 
 def wait_process_gone(pid: int, timeout: float = 30.0) -> None:
@@ -78,3 +88,10 @@ def wait_op_under_way(address: str, op: str, peer: str, timeout: float = 60.0) -
         lambda: any(p["op"] == op and p["peer"] == peer for p in pending_ops(address)),
         f"{address} is in {op} with {peer}", timeout, interval=0.05,
     )
+
+
+def actor_pid(actor: Any) -> int:
+    """The process id of Ray actor ``actor`` (asked through Ray, not the actor's API)."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
