@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlcomm import Channel, NodePlacementStrategy, Worker
+from tests.waiting import wait_for
 
 #: Items of 1 MiB: larger than the shm segment threshold, so the frozen client's replies
 #: fill its segment pool and then its ring (8 MiB); FROZEN_GETS of them is far more.
@@ -85,14 +86,6 @@ def frozen_setup(cluster):
         group.shutdown()
 
 
-def _wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(180)
 def test_a_frozen_client_does_not_hold_up_the_others(cluster, frozen_setup):
     victim, producer, consumer = frozen_setup
@@ -101,8 +94,8 @@ def test_a_frozen_client_does_not_hold_up_the_others(cluster, frozen_setup):
     try:
         key = "k"
         pid = victim.post_gets(channel, FROZEN_GETS, key).wait(timeout=60)[0]
-        _wait_until(lambda: channel.stats()[0]["parked"] >= FROZEN_GETS, 30,
-                    "the frozen client's gets are parked")
+        wait_for(lambda: channel.stats()[0]["parked"] >= FROZEN_GETS,
+                 "the frozen client's gets are parked")
         os.kill(pid, signal.SIGSTOP)
 
         # The first FROZEN_GETS items answer the frozen client's gets (they were parked

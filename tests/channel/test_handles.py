@@ -9,6 +9,7 @@ import pytest
 
 from rlcomm import Channel, CommTimeoutError
 from rlcomm.comm.work import AsyncWork
+from tests.waiting import await_for
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def test_a_wait_that_times_out_withdraws_the_get(channel):
 def test_a_cancelled_task_withdraws_its_get(channel):
     async def main() -> None:
         task = asyncio.ensure_future(channel.aget(timeout=60))
-        await asyncio.sleep(0.05)
+        await await_for(lambda: channel.stats()[0]["parked"] == 1, "the aget is parked")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -14,6 +14,7 @@ from rlcomm import Channel, ChannelClosedError, NodePlacementStrategy, Worker
 from rlcomm.channel import prefetch
 from rlcomm.channel import protocol as P
 from rlcomm.channel.state import PREFETCH_BYTES, SHARED_SECONDS, ChannelState
+from tests.waiting import wait_for
 
 
 def _get(state: ChannelState, client: str, rid: int, now: float, prefetch_n: int = 8,
@@ -95,7 +96,7 @@ class Taker(Worker):
     def get_then_idle(self, channel: Channel, key: str, idle: float) -> tuple:
         item = channel.get(key=key, timeout=30)
         held = channel.qsize(key)
-        time.sleep(idle)
+        time.sleep(idle)  # the scenario: this process stays idle (not a wait on another)
         return item, held
 
 
@@ -184,9 +185,8 @@ def test_items_taken_ahead_stay_gettable_once_the_worker_is_gone(cluster, monkey
             channel.put(i)
         assert channel.get(timeout=30) == 0  # 1, 2, 3 came ahead
         ray.kill(ray.get_actor(actor_name(channel.worker_group_name, 0), namespace=RLCOMM_NAMESPACE))
-        deadline = time.monotonic() + 30
-        while not channel._router.requester("default").lost and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: channel._router.requester("default").lost,  # type: ignore[attr-defined]
+                 "the client sees the channel worker lost")
         assert [channel.get(timeout=30) for _ in range(3)] == [1, 2, 3]
         with pytest.raises(ChannelLostError, match="pf_lost"):
             channel.get(timeout=30)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +17,7 @@ from rlcomm.channel.payload import encode_item
 from rlcomm.channel.replies import ReadWindow, message_bytes
 from rlcomm.comm import framing
 from rlcomm.comm.endpoint import encode_message
+from tests.waiting import wait_for
 
 RECORD = 16  # a ring record (kind, segment id, size) before each frame and payload tensor
 
@@ -128,15 +128,16 @@ def test_an_outbox_hands_what_may_not_go_inline_to_its_own_thread_in_order():
         executor.shutdown(wait=False)
 
 
-def test_held_entries_wait_for_company_and_leave_within_the_hold_time():
+def test_held_entries_wait_for_company_and_leave_within_the_hold_time(monkeypatch):
+    # The hold timers run on a pool of this test's: shutting it down waits for them.
+    timers = concurrent.futures.ThreadPoolExecutor(1, "test-hold-timer")
+    monkeypatch.setattr(outbox_module, "_flush_pool", lambda: timers)
     sent: list[list[int]] = []
     outbox = Outbox(lambda batch: sent.append(list(batch)), lambda batch, exc: None)
     n = outbox_module.HOLD_ENTRIES
     outbox.post(list(range(n - 1)), hold=True)  # fewer than HOLD_ENTRIES: nothing sent yet
     assert sent == [] and outbox.pending == n - 1
-    deadline = time.monotonic() + 10
-    while not sent and time.monotonic() < deadline:  # the pool's timer sends them
-        time.sleep(0.001)
+    wait_for(lambda: sent, "the timer sends the held entries", 10)
     assert sent == [list(range(n - 1))]
 
     sent.clear()
@@ -146,5 +147,5 @@ def test_held_entries_wait_for_company_and_leave_within_the_hold_time():
     outbox.post([100], hold=True)
     outbox.post([101])  # a post that sends takes the held ones with it, first
     assert sent[-1] == [100, 101] and outbox.pending == 0
-    time.sleep(outbox_module.HOLD_SECONDS * 5)  # the timer armed by [100] finds nothing
+    timers.shutdown(wait=True)  # the timer armed by [100] ran, and found nothing
     assert len(sent) == 2

@@ -5,7 +5,6 @@ and a stopped channel worker)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -29,6 +28,7 @@ from rlcomm.channel import outbox as outbox_module
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.identity import actor_name
 from rlcomm.worker import group as group_module
+from tests.waiting import await_for, wait_for, wait_process_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,7 +62,8 @@ class Putter(Worker):
         inline, off = outbox.sent_inline, outbox.sent_off
         for i in range(n):
             await channel.aput(i, weight=1, key=key)
-        await asyncio.sleep(0.05)  # the hold timer sends the last few
+        # The hold timer sends the last few (its pool's thread: counted as sent off).
+        await await_for(lambda: outbox.pending == 0, "the held puts are sent")
         return outbox.sent_inline - inline, outbox.sent_off - off
 
     def get_one(self, channel: Channel, key: str) -> object:
@@ -161,7 +162,7 @@ def test_async_puts_without_tensors_travel_together_unanswered(cluster, putter, 
         # A lone async put leaves on its own (the hold timer): this process makes no
         # other call while a consumer already waits for it.
         waiting = putter.get_one(channel, "lone")
-        time.sleep(0.5)
+        wait_for(lambda: channel.stats()[0]["parked"] == 1, "the consumer's get is parked")
         work = channel.put("alone", key="lone", async_op=True)
         assert work.done()
         assert waiting.wait(timeout=30) == ["alone"]
@@ -228,8 +229,11 @@ def test_a_killed_channel_worker_fails_the_next_put_and_flush(cluster):
         try:
             other.put("x", key="k")
             other.flush()
-            os.kill(_worker_pid(other), signal.SIGKILL)
-            time.sleep(0.5)
+            pid = _worker_pid(other)
+            os.kill(pid, signal.SIGKILL)
+            wait_process_gone(pid)
+            peer = _link(other)._peer  # type: ignore[attr-defined]
+            wait_for(peer.gone, "the put's connection sees the channel worker gone")
             with pytest.raises(ChannelLostError, match="wb_killed2"):
                 for _ in range(100):  # the first put after the death is seen raises
                     other.put("y", key="k")

@@ -9,6 +9,7 @@ import ray
 import torch
 
 from rlcomm import CollectiveGroupOptions, NodePlacementStrategy, Worker
+from tests.waiting import actor_pid, wait_process_gone
 
 GROUP, VICTIM = "bc", "bc_victim"
 MEMBERS = [(GROUP, [0, 1, 2, 3, 4])]
@@ -151,8 +152,9 @@ def test_killed_receiver_does_not_hang_the_others(cluster, casters):
         handles = _cast(casters, [0, 1, 2], 0, "cast", 1, members, src, timeout=20)
         handles.append(victim.cast(1, members, src, source=False, hold=True, timeout=20))
         assert [h.wait(timeout=120)[0] for h in handles] == [True] * 4
+        pid = actor_pid(victim.workers[0])
         ray.kill(victim.workers[0], no_restart=True)
-        time.sleep(1.0)
+        wait_process_gone(pid)
         for step in (2, 3):  # the victim's held slot does not pin the pool either
             err = casters.execute_on(0).expect_error(
                 "cast", step, members, src, source=True, timeout=20

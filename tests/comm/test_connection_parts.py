@@ -5,7 +5,6 @@ drives by hand. Over shared memory and over the registry proof's loopback TCP.""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.errors import CommError, CommTimeoutError
 from tests.comm.pairs import transport_pair, two_stores
 from tests.comm.tcp_loopback import TcpLoopbackTransport
+from tests.waiting import wait_for
 
 KINDS = [
     pytest.param(ShmTransport, id="shm", marks=pytest.mark.skipif(
@@ -146,12 +146,11 @@ def test_the_receiver_thread_stops_reading_at_the_inbox_cap(ends):
     big = torch.ones(10_000, dtype=torch.uint8)  # past the inline size: counted in bytes
     sent = threading.Thread(target=lambda: [_send(a, big) for _ in range(3)])
     sent.start()
-    deadline = time.monotonic() + 10
-    while len(reader.inbox) < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    assert len(reader.inbox) == 1  # the driver waits while the inbox is full
+    sent.join(timeout=10)  # all three are on the transport (its ring holds them)
+    # The driver read one, and then left the stream while the inbox is full.
+    wait_for(lambda: len(reader.inbox) == 1 and reader.lease is Lease.IDLE,
+             "the driver read one message and stopped", 10)
+    assert len(reader.inbox) == 1 and b.poll(0)  # the other two wait on the transport
     for _ in range(3):  # each take makes room: the driver reads the next one
         assert torch.equal(_receive(reader), big)
-    sent.join(timeout=10)
     reader.set_error(CommError("done"))  # ends the receiver thread

@@ -40,6 +40,7 @@ from rlcomm.comm.transports.shm import SHM_SUPPORTED
 from rlcomm.errors import CommTimeoutError, PeerLostError, ProtocolMismatchError
 from rlcomm.settings import get_settings, update_settings
 from tests.comm.fake_device import FakeDevice, held
+from tests.waiting import wait_for
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_shm = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
@@ -88,7 +89,8 @@ def test_gpu_uuids_are_swapped_through_the_store(stores):
 
     t = threading.Thread(target=swap, args=(1,))
     t.start()
-    time.sleep(0.2)  # rank 1 waits for rank 0's key meanwhile
+    # Rank 1 published its UUID: it waits for rank 0's now (or is about to).
+    wait_for(lambda: stores[0].check(["cuda_uuid/1"]), "rank 1 publishes its GPU UUID", 10)
     swap(0)
     t.join(timeout=10)
     assert got == {0: "GPU-1", 1: "GPU-0"}

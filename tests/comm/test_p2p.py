@@ -22,6 +22,7 @@ from rlcomm import (
     ProtocolMismatchError,
     Worker,
 )
+from tests.waiting import wait_op_under_way
 
 SEND, RECV = "p2p_send", "p2p_recv"
 FAST = CollectiveGroupOptions(timeout=20)
@@ -428,7 +429,7 @@ def test_options_mismatch(peers):
     opts_b = CollectiveGroupOptions(timeout=5, transport="auto")
     # Fresh pair (p2p_a:1, p2p_b:0); the receiver posts first, then the sender.
     hb = b.execute_on(0).expect_error("recv_one", "p2p_a", 1, options=opts_b)
-    time.sleep(0.5)
+    wait_op_under_way("p2p_b:0", "recv", "p2p_a:1")
     ha = a.execute_on(1).expect_error("send_one", "x", "p2p_b", 0, options=opts_a)
     ra, rb = ha.wait(timeout=30)[0], hb.wait(timeout=30)[0]
     names = {ra[0], rb[0]}
@@ -445,7 +446,7 @@ def test_peer_death_raises_peer_lost(cluster, peers):
         victim.send_one("hi", "p2p_a", 0).wait(timeout=30)
         assert a.execute_on(0).recv_one("p2p_victim", 0).wait(timeout=30) == ["hi"]
         waiting = a.execute_on(0).expect_error("recv_one", "p2p_victim", 0, options=FAST)
-        time.sleep(1.0)
+        wait_op_under_way("p2p_a:0", "recv", "p2p_victim:0")  # the death comes mid-recv
         ray.kill(victim.workers[0], no_restart=True)
         name, text, took = waiting.wait(timeout=30)[0]
         assert name == "PeerLostError" and "p2p_victim:0" in text and took < 15

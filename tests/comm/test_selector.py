@@ -162,6 +162,8 @@ def test_wait_for_data_watches_several_transports(stores):
         assert time.monotonic() - start >= 0.04  # waited for the deadline
 
         def later(fn) -> threading.Thread:
+            # Meant to come while the wait below is under way; if it comes first, the
+            # wait finds the data at once, which the asserts accept too (weaker, not wrong).
             t = threading.Thread(target=lambda: (time.sleep(0.05), fn()))
             t.start()
             return t

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import ray
 
 from rlcomm import CollectiveGroupOptions, NodePlacementStrategy
 from tests.comm.test_p2p import Peer
+from tests.waiting import actor_pid, wait_process_gone
 
 
 def _dev_shm() -> set[str]:
@@ -48,9 +48,11 @@ def test_no_shared_memory_left_after_a_crash(cluster):
         h.wait(timeout=60)
         assert ok
         # Crash both ends (SIGKILL, no cleanup code runs).
+        pids = [actor_pid(actor) for actor in group.workers]
         for actor in group.workers:
             ray.kill(actor, no_restart=True)
-        time.sleep(1.0)
+        for pid in pids:
+            wait_process_gone(pid)
     finally:
         group.shutdown()
     leaked = _dev_shm() - before

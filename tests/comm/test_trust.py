@@ -38,6 +38,7 @@ from rlcomm.errors import (
     ProtocolMismatchError,
 )
 from tests.comm.pairs import receive, send, two_stores
+from tests.waiting import wait_for, wait_process_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -211,10 +212,8 @@ def test_a_process_outside_the_job_gets_nothing(peers, tmp_path):
     assert out["raw_hello"] == 21  # magic and nonce: nothing of the store's contents
     assert out["raw_after"] in ("", "ConnectionResetError"), out  # closed unanswered
     assert not os.path.exists(MARKER)
-    deadline = time.monotonic() + 20
-    while a.execute_on(0).rejected().wait(timeout=30)[0] < before + 2:
-        assert time.monotonic() < deadline, "the worker did not count the refused clients"
-        time.sleep(0.2)
+    wait_for(lambda: a.execute_on(0).rejected().wait(timeout=30)[0] >= before + 2,
+             "the worker counts the refused clients", 20, interval=0.2)
     # The worker goes on serving its real peers.
     b.execute_on(0).send_one("after the attack", A, 0).wait(timeout=60)
     assert a.execute_on(0).recv_one(B, 0).wait(timeout=60) == ["after the attack"]
@@ -275,7 +274,7 @@ def test_a_killed_peer_fails_fast_without_any_connection(cluster, peers):
     try:
         pid = victim.pid().wait(timeout=30)[0]
         os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
+        wait_process_gone(pid)
         # trust_a:0 < trust_d:0: a send initiates; a recv invites. Both must fail fast.
         for method, args in (("send", ("x", "trust_d", 0)), ("recv", ("trust_d", 0))):
             fn = "send_one" if method == "send" else "recv_one"

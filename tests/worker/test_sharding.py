@@ -13,6 +13,7 @@ from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import BundlePlacementStrategy, NodeSpec
 from rlcomm.worker.sharding import plan_sharded_call
 from tests.markers import cpu_only_cluster
+from tests.waiting import wait_for
 
 DP_TP = [[0, 1], [2, 3]]
 
@@ -271,12 +272,8 @@ def test_tied_workers_configure_hook_and_hanging_shutdown(cluster, caplog):
         start = time.monotonic()
         assert group.shutdown(cleanup_method="hang", timeout=2.0) is False
         assert time.monotonic() - start < 2.0 + 5.0
-        deadline = time.monotonic() + 15
-        alive = list(names)
-        while alive and time.monotonic() < deadline:
-            alive = [n for n in alive if _actor_exists(n)]
-            time.sleep(0.2)
-        assert alive == []
+        wait_for(lambda: not any(_actor_exists(n) for n in names), "the actors are gone", 15,
+                 interval=0.2)
         with pytest.raises(WorkerGroupError, match="shut down"):
             group.run_all_workers_single_data("count")
         assert group.shutdown() is True

@@ -140,6 +140,8 @@ class SegmentPool:
         self._pace_off_until = 0.0
         #: Paced takes: ended by a segment coming back, and ended by the time limit.
         self.paced = [0, 0]
+        #: Whether a take waits in :meth:`pace` now (read-only to others: tests, status).
+        self.pacing = False
 
     def pace(self, deadline: float) -> None:
         """Before taking a segment: while :data:`PACE_SHARE` of ``max_in_flight`` are in
@@ -160,16 +162,20 @@ class SegmentPool:
         if now < self._pace_off_until or int(np.count_nonzero(states)) < self._pace_at:
             return
         end = min(deadline, now + PACE_SECONDS)
-        while True:
-            time.sleep(PACE_POLL_SECONDS)
-            if int(np.count_nonzero(states)) < self._pace_at:
-                self.paced[0] += 1
-                return
-            now = time.monotonic()
-            if now >= end:
-                self.paced[1] += 1
-                self._pace_off_until = now + PACE_OFF_SECONDS
-                return
+        self.pacing = True
+        try:
+            while True:
+                time.sleep(PACE_POLL_SECONDS)
+                if int(np.count_nonzero(states)) < self._pace_at:
+                    self.paced[0] += 1
+                    return
+                now = time.monotonic()
+                if now >= end:
+                    self.paced[1] += 1
+                    self._pace_off_until = now + PACE_OFF_SECONDS
+                    return
+        finally:
+            self.pacing = False
 
     def take(self, nbytes: int, deadline: float) -> Segment | None:
         """A free segment for ``nbytes``, now marked in flight; None if there is none and
