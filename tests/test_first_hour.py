@@ -9,6 +9,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -281,7 +282,7 @@ def test_with_channel_closes_it(ray_local):
 # -- logging ------------------------------------------------------------------------------
 
 _LOGGING_SCRIPT = """
-import logging, time
+import logging, sys
 from rlcomm import Cluster, Worker
 
 class Chatty(Worker):
@@ -290,24 +291,39 @@ class Chatty(Worker):
         log.info("hidden-info-record")
         log.warning("visible-warning-record")
         logging.getLogger("someone.else").warning("not-rlcomm-record")
+        log.warning("last-record")
         return len(logging.getLogger().handlers)
 
 cluster = Cluster(num_nodes=1)
 with Chatty.create_group().launch(cluster, name="chatty") as group:
     print("ROOT HANDLERS", group.talk().wait(timeout=120)[0], flush=True)
-    time.sleep(3)  # Ray forwards worker output to the driver in the background
+    sys.stdin.readline()  # Ray forwards the worker's output in the background: until the test saw it
 """
 
 
 @pytest.mark.timeout(240)
 def test_workers_pass_on_rlcomm_warnings_only():
-    proc = subprocess.run(
-        [sys.executable, "-c", _LOGGING_SCRIPT], capture_output=True, text=True, timeout=220,
-        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": ROOT,
-                       "RAY_USAGE_STATS_ENABLED": "0"},
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOGGING_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        env={**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": ROOT,
+             "RAY_USAGE_STATS_ENABLED": "0"},
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    deadline = threading.Timer(220, proc.kill)  # every wait below ends by then
+    deadline.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "last-record" in line:  # the worker's records came in order: all are here
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+        returncode = proc.wait()
+    finally:
+        deadline.cancel()
+        proc.kill()
+    out = "".join(lines)
+    assert returncode == 0, out
     assert "ROOT HANDLERS 0" in out, out  # the worker left the root logger alone
     assert "WARNING rlcomm.chatty: visible-warning-record" in out, out
     assert "hidden-info-record" not in out, out
