@@ -1,5 +1,5 @@
 """How a :class:`~rlcomm.Channel` handle sends its requests through a
-:class:`~rlcomm.channel.requester.Requester`: the timeouts, a request and its
+:class:`~rlcomm.channel.requester.ChannelLink`: the timeouts, a request and its
 :class:`~rlcomm.AsyncWork`, a put (written behind where it may be) and a ``get_batch``
 that takes the items this process took ahead first (:mod:`~rlcomm.channel.prefetch`).
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from rlcomm.channel import protocol as P
 from rlcomm.channel.prefetch import batch_with
-from rlcomm.channel.requester import Requester
+from rlcomm.channel.requester import ChannelLink
 from rlcomm.channel.routing import REPLY_GRACE
 from rlcomm.comm.flight import RECORDER
 from rlcomm.comm.options import default_timeout
@@ -35,7 +35,7 @@ def timeout_of(timeout: float | None) -> float:
     return float(timeout)
 
 
-def get_batch(requester: Requester, key: P.Key, target: float, timeout: float,
+def get_batch(requester: ChannelLink, key: P.Key, target: float, timeout: float,
               async_op: bool) -> Any:
     """A get_batch: the items this process took ahead first, then the worker's."""
     local = requester.prefetched_upto(key, target)
@@ -53,7 +53,7 @@ def get_batch(requester: Requester, key: P.Key, target: float, timeout: float,
     return work
 
 
-def put(requester: Requester, req: P.Put, timeout: float, async_op: bool,
+def put(requester: ChannelLink, req: P.Put, timeout: float, async_op: bool,
         inline: bool = True) -> Any:
     """Encode the put's item (in a channel with a worker) and send it; ``inline``
     False: an async put never sends from this thread (an asyncio event loop's)."""
@@ -72,7 +72,7 @@ def put(requester: Requester, req: P.Put, timeout: float, async_op: bool,
 
 
 def request(
-    requester: Requester, req: P.Request, timeout: float, async_op: bool,
+    requester: ChannelLink, req: P.Request, timeout: float, async_op: bool,
     tensors: list | None = None,
 ) -> Any:
     """Send ``req``; its :class:`~rlcomm.AsyncWork` with ``async_op``, else its result.
