@@ -10,17 +10,22 @@ where a distributed channel's keys live.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from rlcomm.channel import lifecycle, local
 from rlcomm.channel import protocol as P
-from rlcomm.channel.aio import AsyncChannelOps
 from rlcomm.channel.client import settle_all
-from rlcomm.channel.itemtype import validate_type
+from rlcomm.channel.itemtype import check_put, validate_type
 from rlcomm.channel.lifecycle import ChannelInfo
 from rlcomm.channel.local import LocalLink
 from rlcomm.channel.prefetch import PREFETCH
+from rlcomm.channel.requests import get_batch as _get_batch
+from rlcomm.channel.requests import put as _put
+from rlcomm.channel.requests import request as _request
+from rlcomm.channel.requests import timeout_of as _timeout
 from rlcomm.channel.routing import REPLY_GRACE, KeyRouter
 from rlcomm.cluster import Cluster
 from rlcomm.comm.options import default_timeout
@@ -30,7 +35,7 @@ from rlcomm.errors import ChannelClosedError, ChannelError
 __all__ = ["REPLY_GRACE", "Channel"]
 
 
-class Channel(AsyncChannelOps):
+class Channel:
     """A handle on a channel: a named queue of items per key.
 
     Create one with :meth:`create` (or ``Worker.create_channel``) and reach it from any
@@ -71,6 +76,12 @@ class Channel(AsyncChannelOps):
       cannot be delivered puts its items back at the head of their key, but an item the
       dead process had already received is gone with it.
 
+    Every blocking call has an asyncio twin (:meth:`aput`, :meth:`aget`,
+    :meth:`aget_batch`, :meth:`aclose`, :meth:`stream`, ``async with``) that never blocks
+    the event loop (default loop or uvloop): requests are sent from the flush pool,
+    replies are read by the connection's receiver thread, and a call awaits its
+    :class:`~rlcomm.AsyncWork`. Cancelling the awaiting task withdraws the request.
+
     Items may be any picklable object; tensors in them (a tensor, lists, tuples and
     ``str``-keyed dicts of them, dataclasses holding them) travel as raw memory. A
     dataclass item must be defined at module level of an importable module. The producer
@@ -86,6 +97,34 @@ class Channel(AsyncChannelOps):
         self._info = info
         self._local = local_link
         self._router = KeyRouter(info, local_link)
+
+    # -- the layout -----------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._info.name
+
+    @property
+    def maxsize(self) -> int:
+        """The most items queued per key (0: unbounded)."""
+        return self._info.maxsize
+
+    @property
+    def item_type(self) -> Any:
+        return self._info.item_type
+
+    @property
+    def distributed(self) -> bool:
+        return self._info.distributed
+
+    @property
+    def local(self) -> bool:
+        return self._info.local
+
+    @property
+    def worker_group_name(self) -> str:
+        """The worker group of the channel workers (``channel.<name>``; "" if local)."""
+        return self._info.group_name
 
     # -- creation and lookup ------------------------------------------------------------
 
@@ -203,9 +242,9 @@ class Channel(AsyncChannelOps):
             CodecError: the item cannot be encoded.
         """
         self._check_item(item, key, "put")
-        t = self._timeout(timeout)
+        t = _timeout(timeout)
         requester = self._router.requester(key)
-        return self._put(requester, P.Put(P.NO_REPLY, key, weight, t, item), t, async_op)
+        return _put(requester, P.Put(P.NO_REPLY, key, weight, t, item), t, async_op)
 
     def put_nowait(self, item: Any, weight: float = 0, key: P.Key = "default") -> None:
         """Put ``item`` on ``key`` if there is room now.
@@ -217,7 +256,7 @@ class Channel(AsyncChannelOps):
         self._check_item(item, key, "put_nowait")
         requester = self._router.requester(key)
         req = P.Put(P.NO_REPLY, key, weight, None, item, nowait=True)
-        return self._put(requester, req, default_timeout(), False)
+        return _put(requester, req, default_timeout(), False)
 
     # -- gets -------------------------------------------------------------------------------
 
@@ -235,12 +274,12 @@ class Channel(AsyncChannelOps):
             ChannelClosedError: the channel is closed and the key drained.
             ChannelLostError: the channel worker is gone.
         """
-        t = self._timeout(timeout)
+        t = _timeout(timeout)
         requester = self._router.requester(key)
         found, item = requester.take_prefetched(key)
         if found:
             return AsyncWork.completed(item, "get") if async_op else item
-        return self._request(requester, P.Get(P.NO_REPLY, key, t, prefetch=PREFETCH), t, async_op)
+        return _request(requester, P.Get(P.NO_REPLY, key, t, prefetch=PREFETCH), t, async_op)
 
     def get_nowait(self, key: P.Key = "default") -> Any:
         """Take the next item of ``key`` if it holds one now.
@@ -254,7 +293,7 @@ class Channel(AsyncChannelOps):
         if found:
             return item
         req = P.Get(P.NO_REPLY, key, None, nowait=True)
-        return self._request(requester, req, default_timeout(), False)
+        return _request(requester, req, default_timeout(), False)
 
     def get_batch(
         self,
@@ -282,8 +321,71 @@ class Channel(AsyncChannelOps):
         """
         if not target_weight > 0:
             raise ValueError(f"get_batch: target_weight must be > 0, got {target_weight!r}")
-        t = self._timeout(timeout)
-        return self._get_batch(self._router.requester(key), key, target_weight, t, async_op)
+        t = _timeout(timeout)
+        return _get_batch(self._router.requester(key), key, target_weight, t, async_op)
+
+    # -- asyncio ----------------------------------------------------------------------------
+
+    async def aput(
+        self, item: Any, weight: float = 0, key: P.Key = "default", timeout: float | None = None
+    ) -> None:
+        """:meth:`put` for asyncio: never blocks the event loop (default loop or uvloop)."""
+        self._check_item(item, key, "put")
+        t = _timeout(timeout)
+        requester = await self._router.arequester(key)
+        await _put(requester, P.Put(P.NO_REPLY, key, weight, t, item), t, True, False)
+
+    async def aget(self, key: P.Key = "default", timeout: float | None = None) -> Any:
+        """:meth:`get` for asyncio. Cancelling the awaiting task withdraws the request;
+        an item already on its way goes back to the head of the key."""
+        t = _timeout(timeout)
+        requester = await self._router.arequester(key)
+        found, item = requester.take_prefetched(key)
+        if found:
+            return item
+        req = P.Get(P.NO_REPLY, key, t, prefetch=PREFETCH)
+        return await _request(requester, req, t, True)
+
+    async def aget_batch(
+        self, target_weight: float, key: P.Key = "default", timeout: float | None = None
+    ) -> list[Any]:
+        """:meth:`get_batch` for asyncio (cancellation as for :meth:`aget`)."""
+        if not target_weight > 0:
+            raise ValueError(f"get_batch: target_weight must be > 0, got {target_weight!r}")
+        t = _timeout(timeout)
+        requester = await self._router.arequester(key)
+        return await _get_batch(requester, key, target_weight, t, True)
+
+    async def stream(self, key: P.Key = "default", timeout: float | None = None) -> AsyncIterator[Any]:
+        """``async for item in channel.stream(key)``: the items of ``key`` until the
+        channel is closed and drained.
+
+        Args:
+            timeout: seconds to wait for each item (default: rlcomm's op timeout);
+                :class:`~rlcomm.CommTimeoutError` ends the iteration with an error.
+        """
+        while True:
+            try:
+                item = await self.aget(key, timeout)
+            except ChannelClosedError:
+                return
+            yield item
+
+    async def aclose(self) -> None:
+        """:meth:`close` for asyncio."""
+        loop = asyncio.get_running_loop()
+        requesters = await loop.run_in_executor(None, self._router.all)
+        works = [_request(r, P.Close(P.NO_REPLY), default_timeout(), True)
+                 for r in requesters]
+        for work in works:
+            await work
+
+    async def __aenter__(self) -> Channel:
+        """``async with``: closes the channel (:meth:`aclose`) on exit."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     # -- state ------------------------------------------------------------------------------
 
@@ -292,7 +394,7 @@ class Channel(AsyncChannelOps):
         requester = self._router.requester(key, assign=False)
         if requester is None:
             return 0
-        queued = self._request(requester, P.QSize(P.NO_REPLY, key), default_timeout(), False)
+        queued = _request(requester, P.QSize(P.NO_REPLY, key), default_timeout(), False)
         return queued + requester.prefetched(key)
 
     def empty(self, key: P.Key = "default") -> bool:
@@ -331,14 +433,14 @@ class Channel(AsyncChannelOps):
             CommTimeoutError: no answer within ``timeout`` (default: rlcomm's op timeout).
         """
         if self._local is None:
-            settle_all(self._timeout(timeout), self.name)
+            settle_all(_timeout(timeout), self.name)
 
     def close(self) -> None:
         """Close the channel, for every key and every handle (see the class docstring).
 
         Idempotent. Requests this process posted before ``close`` are applied first.
         """
-        works = [self._request(r, P.Close(P.NO_REPLY), default_timeout(), True)
+        works = [_request(r, P.Close(P.NO_REPLY), default_timeout(), True)
                  for r in self._router.all()]
         for work in works:
             work.wait()
@@ -372,6 +474,9 @@ class Channel(AsyncChannelOps):
             return [self._local.core.stats()]
         self.flush()
         return lifecycle.worker_stats(self._info)
+
+    def _check_item(self, item: Any, key: P.Key, op: str) -> None:
+        check_put(self._info.name, self._info.item_type, item, key, op)
 
     # -- pickling ---------------------------------------------------------------------------
 

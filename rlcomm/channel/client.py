@@ -3,7 +3,8 @@
 A process that uses a channel holds one link per channel worker it talks to, shared by
 every :class:`~rlcomm.Channel` handle and every thread of the process. A link
 
-- numbers requests and keeps a future per request (:class:`~rlcomm.channel.requester.Requester`);
+- numbers requests and keeps a future per request (its
+  :class:`~rlcomm.channel.requester.Requester`);
 - sends requests through an :class:`~rlcomm.channel.outbox.Outbox` as
   :class:`~rlcomm.channel.protocol.ClientFrame` messages (requests posted while another is
   being sent travel together in one message), the tensors of their items beside the frame;
@@ -25,7 +26,10 @@ every :class:`~rlcomm.Channel` handle and every thread of the process. A link
   items queued), a worker group runs it before it calls its workers, ``Channel.flush``
   runs it for one channel, and the process runs it when it exits. An async ``put`` of
   an item without tensors is written behind too, and held in the outbox for company
-  (:mod:`~rlcomm.channel.outbox`).
+  (:mod:`~rlcomm.channel.outbox`). Its :class:`~rlcomm.channel.writebehind.WriteBehind`
+  counts and settles those puts.
+
+A link holds these parts; it owns none of their state, only the connection they share.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from rlcomm.channel.outbox import Outbox
 from rlcomm.channel.payload import StoredItem, TensorCursor, encode_item
 from rlcomm.channel.prefetch import Ahead
 from rlcomm.channel.requester import Entry, Requester
+from rlcomm.channel.writebehind import WriteBehind
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.endpoint import Endpoint
 from rlcomm.comm.identity import WorkerAddress, actor_name
@@ -63,7 +68,7 @@ HELD_PEEK_SECONDS = 0.001
 _LONG_WAIT = 3600.0
 
 
-class Link(Requester):
+class Link:
     """This process's connection to one channel worker (see the module docstring).
 
     Listens to the connection with the worker, then registers this process with the
@@ -74,9 +79,18 @@ class Link(Requester):
     """
 
     def __init__(self, channel: str, maxsize: int, group_name: str, rank: int):
+        self.channel = channel
         self.address = WorkerAddress(group_name, (rank,))
-        super().__init__(channel, maxsize, str(self.address))
+        self.where = str(self.address)
         self._replies_read = 0  # reply messages read: each request message reports it
+        self.ahead = Ahead(self._give_back, lambda: self.requests.lost)
+        self.requests = Requester(
+            channel, maxsize, self.where, self._post, self._give_back,
+            decode=StoredItem.decode, stash=self.ahead.stash, wait_reply=self._wait_reply,
+        )
+        # Bound once: every request of the channel's handles goes through them.
+        self.request = self.requests.request
+        self.lose = self.requests.lose
         endpoint = Endpoint.for_process()
         try:
             actor = ray.get_actor(actor_name(group_name, rank), namespace=RLCOMM_NAMESPACE)
@@ -89,19 +103,33 @@ class Link(Requester):
             raise ChannelLostError(
                 f"channel {channel!r}: cannot reach its channel worker {self.address}: {exc}"
             ) from exc
-        self._outbox = Outbox(self._send, self.fail)
-        self.ahead = Ahead(self._give_back, lambda: self.lost)
+        self._outbox = Outbox(self._send, self._fail)
+        self.behind = WriteBehind(self.requests, self._post)
         self._behind_ok = maxsize == 0 and get_settings().channel_write_behind
         self._next_peek = 0.0  # when a held put next looks whether the worker is gone
 
+    def __repr__(self) -> str:
+        return f"Link({self.channel!r}, {self.where}, lost={self.requests.lost})"
+
     @property
-    def writes_behind(self) -> bool:  # type: ignore[override]
+    def lost(self) -> bool:
+        return self.requests.lost
+
+    @property
+    def writes_behind(self) -> bool:
         """Unbounded channel, and a shared-memory connection: there a dead worker is
         seen before each write (:meth:`put_behind`); over a network a put waits."""
         return self._behind_ok and self._peer.shared_memory
 
     def put_behind(self, req: P.Put, tensors: list[torch.Tensor], hold: bool = False,
                    inline: bool = True) -> None:
+        """Send a put without waiting for the worker (:meth:`WriteBehind.put_behind`),
+        once it is sure the worker's process still runs.
+
+        Raises:
+            ChannelLostError: the worker is gone.
+            ChannelClosedError: an earlier write-behind put was not enqueued.
+        """
         # A blocking put looks each time; held puts (async) at most every HELD_PEEK_SECONDS.
         look = True
         if hold:
@@ -111,8 +139,17 @@ class Link(Requester):
                 self._next_peek = now + HELD_PEEK_SECONDS
         if look and self._peer.gone():  # the connection fails: the link is lost (_on_error)
             self.lose(PeerLostError(f"channel worker {self.where} is gone"))
-        super().put_behind(req, tensors, hold, inline)
+        self.behind.put_behind(req, tensors, hold, inline)
         _behind.add(self)
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether write-behind puts wait to be settled (:attr:`WriteBehind.unsettled`)."""
+        return self.behind.unsettled
+
+    def settle(self, timeout: float, report: bool = True) -> None:
+        """:meth:`WriteBehind.settle`: wait until the worker applied the write-behind puts."""
+        self.behind.settle(timeout, report)
 
     def _post(self, entries: list[Entry], inline: bool, hold: bool = False) -> None:
         self._outbox.post(entries, inline, hold)
@@ -122,24 +159,27 @@ class Link(Requester):
         tensors = [t for _, ts in entries for t in ts]
         self._peer.send(frame, tensors)
 
-    def wait_reply(self, fut: concurrent.futures.Future, timeout: float | None) -> bool:
+    def _fail(self, entries: list[Entry], exc: BaseException) -> None:
+        """A message that could not be sent: its requests fail, and its write-behind puts
+        are reported as not enqueued (their producer hears of it later)."""
+        if not isinstance(exc, PeerLostError | PeerNotFoundError):
+            for req, _tensors in entries:
+                if type(req) is P.Put and P.rid_of(req) == P.NO_REPLY:
+                    self.behind.note_unaccepted(req.key, P.ERROR, f"sending it failed: {exc}")
+        self.requests.fail(entries, exc)
+
+    def _wait_reply(self, fut: concurrent.futures.Future, timeout: float | None) -> bool:
         return self._peer.pump(fut, _LONG_WAIT if timeout is None else timeout,
-                               lambda: self.awaits_replies)
+                               lambda: self.requests.awaits_replies)
 
     def prepare_item(self, item: Any) -> tuple[P.Payload, list[torch.Tensor]]:
         return encode_item(item)
 
-    def _decode(self, item: StoredItem) -> Any:
-        return item.decode()
-
     def _give_back(self, key: P.Key, items: list[StoredItem], weights: list[float]) -> None:
-        self.post_oneway(P.Requeue(key, [i.payload for i in items], list(weights)),
-                         [t for i in items for t in i.tensors])
+        self.requests.post_oneway(P.Requeue(key, [i.payload for i in items], list(weights)),
+                                  [t for i in items for t in i.tensors])
 
     # -- items taken ahead (prefetch, :mod:`~rlcomm.channel.prefetch`) -------------------------
-
-    def _stash(self, key: P.Key, items: list[StoredItem], weights: list[float]) -> None:
-        self.ahead.stash(key, items, weights)
 
     def take_prefetched(self, key: P.Key) -> tuple[bool, Any]:
         item = self.ahead.take(key)
@@ -167,6 +207,7 @@ class Link(Requester):
             logger.error("channel %r: a malformed reply message from %s (%s); dropped",
                          self.channel, self.where, exc)
             return
+        requests = self.requests
         done: list[int] = []  # put and close replies: resolved together, in one go
         for reply in frame.replies:
             tp = type(reply)
@@ -174,18 +215,18 @@ class Link(Requester):
                 done.append(reply.rid)
                 continue
             if done:
-                self.complete_done(done)
+                requests.complete_done(done)
                 done = []
             if tp is P.Got:
-                self.complete(reply.rid, P.OK, got[reply.rid], reply.weights)
+                requests.complete(reply.rid, P.OK, got[reply.rid], reply.weights)
             elif tp is P.Unaccepted:
-                self.note_unaccepted(reply.key, reply.status)
+                self.behind.note_unaccepted(reply.key, reply.status)
             elif tp is P.Count:
-                self.complete(reply.rid, P.OK, reply.value)
+                requests.complete(reply.rid, P.OK, reply.value)
             else:
-                self.complete(reply.rid, reply.status, text=reply.text)
+                requests.complete(reply.rid, reply.status, text=reply.text)
         if done:
-            self.complete_done(done)
+            requests.complete_done(done)
 
     def _on_error(self, exc: CommError) -> None:
         self.lose(exc)

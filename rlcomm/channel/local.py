@@ -2,7 +2,7 @@
 
 A local channel has no worker: its :class:`LocalLink` applies requests to a
 :class:`~rlcomm.channel.core.ChannelCore` in the calling thread and resolves the futures
-from the core's replies. Items are not encoded or copied. Local channels are found by
+(its :class:`~rlcomm.channel.requester.Requester`'s) from the core's replies. Items are not encoded or copied. Local channels are found by
 name in this process only.
 """
 
@@ -19,25 +19,57 @@ from rlcomm.channel.state import Delivery
 from rlcomm.errors import ChannelError
 
 
-class LocalLink(Requester):
-    """A ``local=True`` channel: the queues live in this process; items are not copied."""
+class LocalLink:
+    """A ``local=True`` channel: the queues live in this process; items are not copied.
+
+    Nothing is written behind or taken ahead: every request is applied at once.
+    """
+
+    #: A put waits for its answer (applied at once, so it costs nothing to wait).
+    writes_behind = False
 
     def __init__(self, channel: str, maxsize: int):
-        super().__init__(channel, maxsize, "(local)")
+        self.channel = channel
+        self.requests = Requester(channel, maxsize, "(local)", self._post, self._give_back)
+        self.request = self.requests.request  # bound once: every request goes through it
+        self.lose = self.requests.lose
         self.core = ChannelCore(channel, maxsize, self._deliver)
+
+    def __repr__(self) -> str:
+        return f"LocalLink({self.channel!r})"
+
+    def prepare_item(self, item: Any) -> tuple[Any, list]:
+        return item, []
+
+    def put_behind(self, req: P.Put, tensors: list, hold: bool = False,
+                   inline: bool = True) -> None:
+        raise AssertionError("a local channel never writes behind")
+
+    def take_prefetched(self, key: P.Key) -> tuple[bool, Any]:
+        return False, None
+
+    def prefetched(self, key: P.Key) -> int:
+        return 0
+
+    def prefetched_upto(self, key: P.Key, weight: float) -> list[tuple[Any, float]]:
+        return []
+
+    def unget(self, key: P.Key, entries: list[tuple[Any, float]]) -> None:
+        """Nothing is ever taken ahead (:meth:`prefetched_upto` is empty)."""
 
     def _post(self, entries: list[Entry], inline: bool, hold: bool = False) -> None:
         self.core.handle(self, [req for req, _ in entries])
 
     def _give_back(self, key: P.Key, items: list[Any], weights: list[float]) -> None:
-        self.post_oneway(P.Requeue(key, list(items), list(weights)))
+        self.requests.post_oneway(P.Requeue(key, list(items), list(weights)))
 
     def _deliver(self, client: Hashable, deliveries: list[Delivery]) -> None:
+        complete = self.requests.complete
         for d in deliveries:
             if d.status == P.ERROR:
-                self.complete(d.rid, d.status, text=str(d.value))
+                complete(d.rid, d.status, text=str(d.value))
             else:
-                self.complete(d.rid, d.status, d.value, d.weights)
+                complete(d.rid, d.status, d.value, d.weights)
 
 
 _channels: dict[str, Any] = {}

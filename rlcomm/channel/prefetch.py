@@ -128,7 +128,7 @@ def batch_with(
     description: str, timeout: float,
 ) -> AsyncWork:
     """A ``get_batch``'s work: the items taken ahead (``local``), then what the worker's
-    reply to ``remote`` (a :class:`~rlcomm.channel.handle.RequestWork`) brings. If the
+    reply to ``remote`` (a :class:`~rlcomm.channel.requester.RequestWork`) brings. If the
     channel is closed and drained, the local items are the (partial) batch; if the
     request fails otherwise or is withdrawn, they go back ahead of the key
     (``give_back``) and the error is raised."""

@@ -29,7 +29,7 @@ import ray
 
 from rlcomm.channel.client import cached_link, link_to
 from rlcomm.channel.protocol import NO_REPLY, Key, Route
-from rlcomm.channel.requester import Requester
+from rlcomm.channel.requester import ChannelLink
 from rlcomm.comm.options import default_timeout
 
 #: Seconds a client waits for a reply beyond the request's own timeout (the channel
@@ -91,12 +91,12 @@ class KeyRouter:
         local: the link of a local channel, else ``None``.
     """
 
-    def __init__(self, info: Any, local: Requester | None):
+    def __init__(self, info: Any, local: ChannelLink | None):
         self._info = info
         self._local = local
         self._routes: RouteCache | None = None
 
-    def link(self, rank: int) -> Requester:
+    def link(self, rank: int) -> ChannelLink:
         info = self._info
         return link_to(info.name, info.maxsize, info.group_name, rank, info.incarnation)
 
@@ -114,7 +114,7 @@ class KeyRouter:
             routes.remember(key, rank)
         return rank
 
-    def requester(self, key: Key, assign: bool = True) -> Requester | None:
+    def requester(self, key: Key, assign: bool = True) -> ChannelLink | None:
         """The requester that serves ``key`` (``None`` only for an unrouted key with
         ``assign=False``)."""
         if self._local is not None:
@@ -124,7 +124,7 @@ class KeyRouter:
         rank = self.home(key, assign)
         return None if rank < 0 else self.link(rank)
 
-    async def arequester(self, key: Key) -> Requester:
+    async def arequester(self, key: Key) -> ChannelLink:
         """:meth:`requester`, off the event loop when it has to set something up."""
         if self._local is not None:
             return self._local
@@ -137,7 +137,7 @@ class KeyRouter:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.requester, key)
 
-    def all(self) -> list[Requester]:
+    def all(self) -> list[ChannelLink]:
         """Every requester of the channel (one per worker)."""
         if self._local is not None:
             return [self._local]

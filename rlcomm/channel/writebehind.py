@@ -1,11 +1,14 @@
-"""Write-behind puts: the part of a :class:`~rlcomm.channel.requester.Requester` that
-sends a blocking ``put`` without waiting for the worker (see
-:mod:`~rlcomm.channel.client`), and settles what it sent so.
+"""Write-behind puts: how a :class:`~rlcomm.channel.client.Link` sends a blocking
+``put`` without waiting for the worker (see :mod:`~rlcomm.channel.client`), and settles
+what it sent so.
 
 A write-behind ``Put`` has no request id: the worker answers it only if it does not
-enqueue it (``Unaccepted``). The requester counts what it sent and what a ``Sync`` round
-trip covered (:meth:`WriteBehind.settle`), keeps the first refusal until a call can
-raise it, and, once a reply said the channel is closed, refuses later puts at once.
+enqueue it (``Unaccepted``). A :class:`WriteBehind` counts what it sent and what a
+``Sync`` round trip covered (:meth:`WriteBehind.settle`), keeps the first refusal until
+a call can raise it, and, once a reply said the channel is closed, refuses later puts
+at once. It owns those counts, under its own lock; the link's
+:class:`~rlcomm.channel.requester.Requester` sends its messages and knows whether the
+worker is gone.
 """
 
 from __future__ import annotations
@@ -16,30 +19,33 @@ import threading
 import torch
 
 from rlcomm.channel import protocol as P
+from rlcomm.channel.requester import Post, Requester
 from rlcomm.errors import ChannelClosedError, ChannelError, ChannelLostError
 
 logger = logging.getLogger(__name__)
 
 
 class WriteBehind:
-    """A base of :class:`~rlcomm.channel.requester.Requester`: it uses the requester's
-    lock, loss (``_lost``, ``_lost_error``), ``_post`` and ``request``."""
+    """The write-behind puts of one link (see the module docstring).
 
-    channel: str
-    where: str
-    _lock: threading.Lock
-    _lost: BaseException | None
+    Args:
+        requests: the link's requests: how messages are sent, whether the worker is gone.
+        post: sends requests (the link's outbox).
+    """
 
-    def _init_write_behind(self) -> None:
+    def __init__(self, requests: Requester, post: Post):
+        self._requests = requests
+        self._post = post
+        self._lock = threading.Lock()
         self._behind_sent = 0  # write-behind puts sent
         self._behind_settled = 0  # of them, how many a Sync covered
         self._unaccepted: BaseException | None = None  # the first refused, until raised
         self._unaccepted_count = 0
-        self._closed_seen = False  # a reply said the channel is closed (it stays so)
+        self._closed_seen = False  # an Unaccepted said the channel is closed
 
-    #: Whether a blocking put may return before the worker accepted its item (a channel
-    #: worker's unbounded channel; see :meth:`put_behind`).
-    writes_behind = False
+    def __repr__(self) -> str:
+        return (f"WriteBehind({self._requests.channel!r}, sent={self._behind_sent}, "
+                f"settled={self._behind_settled}, unaccepted={self._unaccepted_count})")
 
     def put_behind(self, req: P.Put, tensors: list[torch.Tensor], hold: bool = False,
                    inline: bool = True) -> None:
@@ -55,11 +61,12 @@ class WriteBehind:
             ChannelClosedError: an earlier write-behind put was not enqueued.
         """
         req.rid = P.NO_REPLY
+        requests = self._requests
+        if requests.lost:
+            raise requests.lost_error("put", req.key)
         with self._lock:
-            if self._lost is not None:
-                raise self._lost_error("put", req.key)
-            if self._closed_seen and self._unaccepted is None:
-                raise ChannelClosedError(f"channel {self.channel!r}: put on key {req.key!r}: "
+            if (self._closed_seen or requests.closed_seen) and self._unaccepted is None:
+                raise ChannelClosedError(f"channel {requests.channel!r}: put on key {req.key!r}: "
                                          "the channel is closed; the item was not enqueued")
             unaccepted = self._take_unaccepted()
             if unaccepted is None:
@@ -85,24 +92,25 @@ class WriteBehind:
             ChannelLostError: the worker is gone (they may be lost with it).
             CommTimeoutError: no answer within ``timeout``.
         """
+        requests = self._requests
         with self._lock:
             sent = self._behind_sent
             waits = sent != self._behind_settled
         if waits:
-            if self._lost is None:
+            if not requests.lost:
                 try:
-                    self.request(P.Sync(P.NO_REPLY), timeout, None, True).wait()
+                    requests.request(P.Sync(P.NO_REPLY), timeout, None, True).wait()
                 except ChannelLostError:
                     pass
-            if self._lost is not None:
+            if requests.lost:
                 if not report:
                     return
                 with self._lock:
                     self._behind_settled = self._behind_sent
                 raise ChannelLostError(
-                    f"channel {self.channel!r}: the channel worker {self.where} is gone "
-                    f"({self._lost}); puts this process sent without waiting for it may "
-                    "not have reached it")
+                    f"channel {requests.channel!r}: the channel worker {requests.where} is "
+                    f"gone ({requests.lost_cause}); puts this process sent without waiting "
+                    "for it may not have reached it")
             with self._lock:
                 self._behind_settled = max(self._behind_settled, sent)
         if not report:
@@ -114,13 +122,13 @@ class WriteBehind:
 
     def note_unaccepted(self, key: P.Key, status: int, cause: str = "") -> None:
         """A write-behind put on ``key`` was not enqueued (``status`` says why)."""
-        where = f"channel {self.channel!r}: put on key {key!r} (sent without waiting)"
+        worker = self._requests.where
+        where = f"channel {self._requests.channel!r}: put on key {key!r} (sent without waiting)"
         if status == P.CLOSED:
             exc: BaseException = ChannelClosedError(
-                f"{where} was not enqueued: the channel was closed before it reached "
-                f"{self.where}")
+                f"{where} was not enqueued: the channel was closed before it reached {worker}")
         else:
-            exc = ChannelError(f"{where} was not enqueued by {self.where} "
+            exc = ChannelError(f"{where} was not enqueued by {worker} "
                                f"({cause or P.Status(status).name}; see that worker's log)")
         logger.warning("%s", exc)
         with self._lock:

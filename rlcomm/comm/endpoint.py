@@ -30,8 +30,9 @@ import torch
 from rlcomm.comm import codec
 from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.handshake import parse_address
 from rlcomm.comm.identity.address import WorkerAddress
-from rlcomm.comm.manager import CommManager, parse_address
+from rlcomm.comm.manager import CommManager
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout
 from rlcomm.comm.selector import Selector
 from rlcomm.comm.status import add_section

@@ -1,9 +1,10 @@
 """``CommManager``: this process's connections and broadcast groups, made on first use.
 
-One manager per worker process, started with the worker. It owns the mailbox (and its
-reader thread), the :class:`~rlcomm.comm.handshake.Handshake` (and its small pool of
-threads), and every :class:`Connection` and :class:`BroadcastGroup`. Peers are found
-through the registry actor once, then cached. A send or receive on a live connection
+One manager per worker process, started with the worker. It holds the
+:class:`~rlcomm.comm.handshake.Handshake`, which owns the mailbox (and its reader
+thread), its small pool of threads, every :class:`Connection` and the cache of peers'
+endpoints (found through the registry actor once); the manager owns every
+:class:`BroadcastGroup`. A send or receive on a live connection
 takes no lock of the manager's (the per-message path is a dict read).
 
 Every op is recorded in the process's flight recorder (:mod:`~rlcomm.comm.flight`),
@@ -32,12 +33,11 @@ from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.flight import RECORDER
-from rlcomm.comm.handshake import Handshake, parse_address  # noqa: F401 - parse_address: the channel uses it from here
+from rlcomm.comm.handshake import Handshake
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
-from rlcomm.comm.identity.endpoint import Endpoint, decode_endpoint, encode_endpoint
+from rlcomm.comm.identity.endpoint import decode_endpoint, encode_endpoint
 from rlcomm.comm.identity.registry import job_secret, registry
 from rlcomm.comm.options import CollectiveGroupOptions, op_timeout
-from rlcomm.comm.rendezvous import Mailbox
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
@@ -45,7 +45,6 @@ from rlcomm.errors import (
     CommTimeoutError,
     OptionsMismatchError,
     PeerLostError,
-    PeerNotFoundError,
     RlcommError,
 )
 from rlcomm.settings import get_settings
@@ -105,15 +104,15 @@ class CommManager:
         self.address = address
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        self._lock = threading.Lock()
-        self._conns: dict[WorkerAddress, Connection] = {}
+        self._lock = threading.Lock()  # guards the broadcast groups
         self._bcast: dict[tuple[WorkerAddress, ...], BroadcastGroup] = {}
-        self._endpoints: dict[WorkerAddress, Endpoint] = {}
         self._secret = job_secret()
-        self._handshake = Handshake(self)
-        self._mailbox = Mailbox(host, node_id, self._secret, self._handshake.on_note,
-                                status=status.report)
-        self.endpoint = self._mailbox.endpoint
+        self._handshake = Handshake(address, host, node_id, self._secret, status=status.report)
+        self._mailbox = self._handshake.mailbox
+        self.endpoint = self._handshake.endpoint
+        #: The connection with a peer, made on first use (the handshake's; bound once:
+        #: every message asks for it).
+        self.connection = self._handshake.connection
         status.add_section("process", self._status)
         ray.get(registry().set_endpoint.remote(str(address), encode_endpoint(self.endpoint)))
 
@@ -161,67 +160,6 @@ class CommManager:
             return cls._current
 
     # -- peers ----------------------------------------------------------------------------------
-
-    def _endpoint(self, peer: WorkerAddress) -> Endpoint:
-        ep = self._endpoints.get(peer)
-        if ep is not None:
-            return ep
-        data = ray.get(registry().get_endpoint.remote(str(peer)), timeout=60)
-        if data is None:
-            info = ray.get(registry().get_group.remote(peer.group_name), timeout=60)
-            if not info:
-                raise PeerNotFoundError(
-                    f"no worker group named {peer.group_name!r} is running (peer {peer})"
-                )
-            size = info.get("world_size", 0)
-            if not 0 <= peer.root_rank < size:
-                raise PeerNotFoundError(
-                    f"rank {peer.root_rank} is not in group {peer.group_name!r} of size {size}"
-                )
-            raise PeerNotFoundError(f"worker {peer} is not running or has not registered")
-        ep = decode_endpoint(data)
-        self._endpoints[peer] = ep
-        return ep
-
-    def connection(self, peer: WorkerAddress, options: CollectiveGroupOptions | None) -> Connection:
-        """The connection with ``peer``, starting the handshake if there is none."""
-        # The per-message path: a dict read is atomic, so a live connection is found
-        # without the lock (one is never made for this worker's own address).
-        conn = self._conns.get(peer)
-        if conn is not None and conn.error is None:
-            return conn
-        if peer == self.address:
-            raise ValueError(f"{peer}: a worker cannot send to or receive from itself")
-        with self._lock:
-            conn = self._conns.get(peer)
-            if conn is not None:
-                if conn.error is None:
-                    return conn
-                self._endpoints.pop(peer, None)  # the peer may be a new process now
-        ep = self._endpoint(peer)
-        with self._lock:
-            conn = self._conns.get(peer)
-            # A failed connection is forgotten right after its error is raised; one that
-            # is still here is as good as gone (a reconnecting caller gets a new one).
-            if conn is not None and conn.error is None:
-                return conn
-            conn = self._new_connection(peer, options)
-        self._handshake.pool.submit(self._handshake.initiate, conn, peer, ep, options)
-        return conn
-
-    def _new_connection(
-        self, peer: WorkerAddress, options: CollectiveGroupOptions | None
-    ) -> Connection:
-        conn = Connection(str(peer), on_lost=lambda c: self._forget(peer, c))
-        conn.requested_options = options
-        self._conns[peer] = conn
-        return conn
-
-    def _forget(self, peer: WorkerAddress, conn: Connection) -> None:
-        with self._lock:
-            if self._conns.get(peer) is conn:
-                del self._conns[peer]
-                self._endpoints.pop(peer, None)
 
     def _check_first_contact(
         self, conn: Connection, options: CollectiveGroupOptions | None, timeout: float
@@ -399,7 +337,7 @@ class CommManager:
         ):
             return exc
         entry = RECORDER.find(key)
-        ep = self._endpoints.get(peer)
+        ep = self._handshake.cached_endpoint(peer)
         if ep is None:
             try:
                 data = ray.get(registry().get_endpoint.remote(str(peer)), timeout=ask)
@@ -414,7 +352,7 @@ class CommManager:
         """The ``process`` section of this process's status report: who it is, its
         connections and its mailbox store (read without the manager's lock)."""
         conns = []
-        for peer, conn in list(self._conns.items()):
+        for peer, conn in list(self._handshake.conns.items()):
             reader = conn.reader
             error = conn.error
             state = (
@@ -440,7 +378,7 @@ class CommManager:
             group = self._bcast.get(members)
         if group is not None:
             return group
-        eps = [self.endpoint if m == self.address else self._endpoint(m) for m in members]
+        eps = [self.endpoint if m == self.address else self._handshake.peer_endpoint(m) for m in members]
 
         def connect_store(indices: tuple[int, ...]) -> dist.Store:
             """The store of the members at ``indices``: in the first one's mailbox."""
@@ -465,11 +403,10 @@ class CommManager:
 
     def close(self) -> None:
         with self._lock:
-            conns, self._conns = list(self._conns.values()), {}
             groups, self._bcast = list(self._bcast.values()), {}
-        for conn in conns:
+        for conn in self._handshake.drop_connections():
             conn.close()
         for group in groups:
             group.close()
-        self._mailbox.close()
+        self._handshake.close()
         status.remove_section("process")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -120,11 +119,11 @@ def spawn_roles(group: G, prefix_set: Iterable[str]) -> dict[str, G]:
     for prefix in prefix_set:
         if prefix not in roles:
             raise ValueError(f"spawn: {prefix!r} is not one of the roles {sorted(roles)}")
-        view = type(group).__new__(type(group))
-        view.__dict__.update(group.__dict__)
-        view._resource_pool = None
-        view._mesh_layouts = {}
-        view._lock = threading.Lock()
+        view = type(group)(
+            None, group.ray_cls_with_init, name_prefix=group.name_prefix,
+            device_name=group.device_name, worker_names=group.worker_names,
+        )
+        view._adopt(group)  # the same layout and methods as the group it views
         view.sub_cls_name = prefix
         head = f"{prefix}_"
         for name in list(group._methods):

@@ -188,10 +188,7 @@ class RayWorkerGroup(WorkerGroup):
                 f"RayWorkerGroup: group {base._name!r} has {base.world_size} workers, "
                 f"{len(worker_names)} names were given"
             )
-        for key in ("_name", "_actors", "_methods", "_master_addr", "_master_port"):
-            setattr(self, key, getattr(base, key))
-        self._set_layout(base.world_size, None, None)
-        self._bind_methods()
+        self._adopt(base)
 
     @classmethod
     def from_detached(
@@ -237,17 +234,8 @@ class RayWorkerGroup(WorkerGroup):
             WorkerGroupError: no group of that name is running.
         """
         base = WorkerGroup.from_group_name(worker_cls, group_name)
-        group = cls.__new__(cls)
-        group.__dict__.update(base.__dict__)
-        group.device_name = "cuda"
-        group.name_prefix = ""
-        group.sub_cls_name = ""
-        group.ray_cls_with_init = RayClassWithInitArgs(worker_cls)
-        group._resource_pool = None
-        group._mesh_layouts = {}
-        group._dispatch_specs = _registered_methods(group._worker_cls)
-        group._bind_methods()
-        return group
+        names = [actor_name(group_name, r) for r in range(base.world_size)]
+        return cls(None, RayClassWithInitArgs(worker_cls), worker_names=names)
 
     @property
     def resource_pool(self) -> RayResourcePool | None:

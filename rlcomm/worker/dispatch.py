@@ -28,7 +28,7 @@ from rlcomm.worker.batch import (
 )
 
 __all__ = [
-    "DispatchInfoMixin",
+    "MeshTable",
     "MeshRegisteredError",
     "NdLayout",
     "check_signature",
@@ -254,87 +254,39 @@ class MeshRegisteredError(ValueError, AssertionError):
     """
 
 
-class DispatchInfoMixin:
-    """Per-mesh dispatch and collect information a worker registers about itself.
+class MeshTable:
+    """The per-mesh dispatch and collect information a worker registers about itself:
+    ``mesh name -> (dp_rank, is_collect)``. A :class:`~rlcomm.Worker` holds one (made on
+    first use) and answers verl's calls from it."""
 
-    A worker that belongs to an n-d mesh (data x tensor x pipeline parallel, ...) calls
-    ``self._register_dispatch_collect_info(mesh_name, dp_rank, is_collect)`` in its
-    ``__init__``, once per mesh name; a worker group's ``make_nd_compute_dispatch_fn``
-    reads it back to send data-parallel chunk ``dp_rank`` to this worker and to return its
-    output only when ``is_collect``.
-    """
+    __slots__ = ("_meshes",)
 
-    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
-        """Record this worker's data-parallel index and collect flag for ``mesh_name``.
+    def __init__(self) -> None:
+        self._meshes: dict[str, tuple[int, bool]] = {}
 
-        Raises:
-            MeshRegisteredError: ``mesh_name`` was registered already on this worker (a
-                ``ValueError``, as in verl).
-        """
-        table = self.__dict__.setdefault("_rlcomm_mesh_info", {})
-        if mesh_name in table:
-            raise MeshRegisteredError(f"mesh {mesh_name!r} is registered already on this worker")
-        table[mesh_name] = (int(dp_rank), bool(is_collect))
+    def __repr__(self) -> str:
+        return f"MeshTable({self._meshes!r})"
 
-    def get_dispatch_collect(self) -> dict[str, dict[str, Any]]:
-        """Every registered mesh: ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank":
-        {mesh: is_collect}}`` (verl's form; a copy)."""
-        table = self.__dict__.get("_rlcomm_mesh_info", {})
-        return {
-            "dispatch_dp_rank": {m: info[0] for m, info in table.items()},
-            "collect_dp_rank": {m: info[1] for m, info in table.items()},
-        }
-
-    def set_dispatch_collect(
-        self, mesh_name: str, dispatch_dp_rank: dict[str, int], collect_dp_rank: dict[str, bool]
-    ) -> None:
-        """Register ``mesh_name`` from another worker's :meth:`get_dispatch_collect`, as
-        verl's fused workers do (a worker that plays two roles takes each role's mesh).
-
-        The dp rank and collect flag are taken from the given dicts (verl reads their
-        values; each should hold one mesh).
+    def register(self, mesh_name: str, dp_rank: int, is_collect: bool, where: str = "") -> None:
+        """Record ``(dp_rank, is_collect)`` for ``mesh_name``.
 
         Raises:
-            MeshRegisteredError: ``mesh_name`` is registered already (an
-                ``AssertionError``, as in verl).
-            ValueError: the dicts do not hold exactly one entry each.
+            MeshRegisteredError: ``mesh_name`` was registered already.
         """
-        table = self.__dict__.setdefault("_rlcomm_mesh_info", {})
-        if mesh_name in table:
-            raise MeshRegisteredError(
-                f"set_dispatch_collect: mesh {mesh_name!r} is registered already on this worker "
-                f"(registered: {sorted(table)})"
-            )
-        if len(dispatch_dp_rank) != 1 or len(collect_dp_rank) != 1:
-            raise ValueError(
-                "set_dispatch_collect: pass the get_dispatch_collect() of a worker that "
-                f"registered one mesh; got {dispatch_dp_rank!r} and {collect_dp_rank!r}"
-            )
-        [dp_rank] = dispatch_dp_rank.values()
-        [is_collect] = collect_dp_rank.values()
-        table[mesh_name] = (int(dp_rank), bool(is_collect))
+        if mesh_name in self._meshes:
+            what = f"mesh {mesh_name!r} is registered already on this worker"
+            if where:
+                what = f"{where}: {what} (registered: {sorted(self._meshes)})"
+            raise MeshRegisteredError(what)
+        self._meshes[mesh_name] = (int(dp_rank), bool(is_collect))
 
-    def query_collect_info(self, mesh_name: str) -> bool:
-        """Whether this worker returns output for ``mesh_name`` (verl's name).
-
-        Raises:
-            KeyError: ``mesh_name`` is not registered on this worker.
-        """
-        info = self._query_mesh_info(mesh_name)
-        if info is None:
-            raise KeyError(f"mesh {mesh_name!r} is not registered on {type(self).__name__}")
-        return info[1]
-
-    def _query_mesh_info(self, mesh_name: str) -> tuple[int, bool] | None:
+    def get(self, mesh_name: str) -> tuple[int, bool] | None:
         """``(dp_rank, is_collect)`` registered for ``mesh_name``, or ``None``."""
-        return self.__dict__.get("_rlcomm_mesh_info", {}).get(mesh_name)
+        return self._meshes.get(mesh_name)
 
-    def _query_dispatch_info(self, mesh_name: str) -> int | None:
-        """The data-parallel index registered for ``mesh_name``, or ``None``."""
-        info = self._query_mesh_info(mesh_name)
-        return None if info is None else info[0]
-
-    def _query_collect_info(self, mesh_name: str) -> bool | None:
-        """Whether this worker returns output for ``mesh_name``, or ``None``."""
-        info = self._query_mesh_info(mesh_name)
-        return None if info is None else info[1]
+    def dispatch_collect(self) -> dict[str, dict[str, Any]]:
+        """verl's form of every registered mesh (a copy)."""
+        return {
+            "dispatch_dp_rank": {m: info[0] for m, info in self._meshes.items()},
+            "collect_dp_rank": {m: info[1] for m, info in self._meshes.items()},
+        }

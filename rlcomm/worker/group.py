@@ -31,9 +31,18 @@ from rlcomm.worker.configure import (
     CONFIGURE_HOOK,
     unwrap_ray_remote,
 )
+from rlcomm.worker.dispatch import check_signature
 from rlcomm.worker.launch import check_launch_args, start_actors
+from rlcomm.worker.layout import RankLayout
+from rlcomm.worker.multi_worker_future import MultiWorkerFuture
 from rlcomm.worker.result import GroupResult
-from rlcomm.worker.sharded_calls import ShardedCallsMixin
+from rlcomm.worker.sharded_calls import (
+    called_ranks,
+    check_common,
+    multiple_data,
+    sharded_data,
+    share_value,
+)
 from rlcomm.worker.sharding import NamedSharding
 from rlcomm.worker.worker import Worker
 
@@ -74,14 +83,15 @@ class _RankSelection:
         return _GroupMethod(self._group, name, ranks)
 
 
-class WorkerGroup(ShardedCallsMixin, Generic[W]):
+class WorkerGroup(Generic[W]):
     """A group of workers of one class, one Ray actor per rank.
 
     Made by ``Worker.create_group(*args, **kwargs)`` and started by :meth:`launch`. Every
     public method of the worker class becomes a method of the group that runs on every
     rank and returns a :class:`GroupResult`. NeMo-RL's calls (``run_all_workers_*``,
-    ``get_all_worker_results``, ``dp_size``, ...) come from
-    :class:`~rlcomm.worker.sharded_calls.ShardedCallsMixin`.
+    ``get_all_worker_results``, ``dp_size``, ...) read the group's rank layout (a
+    :class:`~rlcomm.worker.layout.RankLayout`: its sharding and tied workers); their
+    arguments are worked out by :mod:`rlcomm.worker.sharded_calls`.
     """
 
     def __init__(self, worker_cls: type[W], args: tuple = (), kwargs: dict | None = None):
@@ -97,6 +107,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         self._lock = threading.Lock()
         self._master_addr: str | None = None
         self._master_port: int | None = None
+        self._layout = RankLayout(0)
 
     # -- properties -------------------------------------------------------------------------
 
@@ -214,7 +225,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
                 else NodePlacementStrategy([0])
             )
         placements = placement_strategy.get_placements(cluster.node_specs())
-        self._set_layout(len(placements), sharding, bundle_indices_list)
+        self._layout = RankLayout(len(placements), sharding, bundle_indices_list)
         name = name or f"{self.worker_cls_name}_{uuid.uuid4().hex[:6]}"
         if not ray.get(registry().reserve_group.remote(name)):
             raise WorkerGroupError(
@@ -237,7 +248,7 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
                 disable_distributed_log=disable_distributed_log,
                 env_vars=env_vars or {},
                 extra_env=self._extra_builder_env(),
-                bundle_indices_of=self._worker_bundle_indices,
+                bundle_indices_of=self._layout.bundle_indices,
             )
         except BaseException:
             ray.get(registry().drop_group.remote(name))
@@ -293,6 +304,209 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
             )
         return _RankSelection(self, ranks)  # type: ignore[return-value]
 
+    # -- the rank layout ----------------------------------------------------------------------
+
+    @property
+    def sharding_annotations(self) -> NamedSharding | None:
+        """The group's :class:`NamedSharding` (given to ``launch`` or the default)."""
+        return self._layout.sharding
+
+    @property
+    def tied_workers_groups(self) -> list[list[int]]:
+        """The worker indices of each tied group (one group per worker when untied)."""
+        return [list(g) for g in self._layout.tied_groups]
+
+    @property
+    def worker_to_tied_group_index(self) -> dict[int, int]:
+        return self._layout.tied_group_index()
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel shards (the tied groups when there is no sharding)."""
+        return self._layout.dp_size()
+
+    def get_dp_leader_worker_idx(self, dp_shard_idx: int) -> int:
+        """The worker at data-parallel index ``dp_shard_idx`` and 0 on every other axis
+        (without sharding: the first worker of tied group ``dp_shard_idx``)."""
+        return self._layout.dp_leader(dp_shard_idx)
+
+    @property
+    def worker_metadata(self) -> list[dict[str, Any]]:
+        """Per worker: rank, actor name, node, local rank, GPUs, tied group, coordinates."""
+        return self._layout.metadata(self._name or "", self._placements)
+
+    # -- NeMo-RL's calls ----------------------------------------------------------------------
+
+    def _call_each(
+        self,
+        method: str,
+        ranks: Sequence[int],
+        args_per_rank: Sequence[Sequence[Any]],
+        kwargs_per_rank: Sequence[dict[str, Any]],
+        num_returns: int | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on each of ``ranks`` with that rank's own arguments; the refs."""
+        self._check_live()
+        settle_all(CALL_SETTLE_TIMEOUT, report=False)  # the workers see our puts
+        refs = []
+        for rank, args, kwargs in zip(ranks, args_per_rank, kwargs_per_rank, strict=True):
+            remote = getattr(self._actors[rank], method)
+            if num_returns is not None:
+                remote = remote.options(num_returns=num_returns)
+            refs.append(remote.remote(*args, **kwargs))
+        return refs
+
+    def _where(self, op: str, method: str) -> str:
+        return f"{op}({method!r}) on {self.worker_cls_name} group {self._name!r}"
+
+    def run_single_worker_single_data(self, method_name: str, worker_idx: int, *args: Any, **kwargs: Any) -> Any:
+        """Run a method on one worker.
+
+        Returns:
+            The Ray future of its result.
+
+        Raises:
+            ValueError: ``worker_idx`` is not in the group.
+            AttributeError, TypeError: no such method, or arguments that do not fit it.
+        """
+        self._check_live()
+        where = self._where("run_single_worker_single_data", method_name)
+        if not isinstance(worker_idx, int) or not 0 <= worker_idx < len(self._actors):
+            raise ValueError(f"{where}: worker_idx {worker_idx!r} not in 0..{len(self._actors) - 1}")
+        check_signature(self._worker_cls, method_name, args, kwargs, where)
+        return self._call_each(method_name, [worker_idx], [args], [kwargs])[0]
+
+    def run_all_workers_single_data(
+        self, method_name: str, *args: Any, run_rank_0_only_axes: list[str] | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Run a method on all workers with the same arguments.
+
+        Arguments are put into the object store once and shared by the workers.
+
+        Args:
+            method_name: the worker method.
+            args, kwargs: its arguments.
+            run_rank_0_only_axes: call only the workers at coordinate 0 along these axes.
+
+        Returns:
+            One Ray future per called worker, by worker index.
+        """
+        self._check_live()
+        where = self._where("run_all_workers_single_data", method_name)
+        ranks = called_ranks(self._layout, len(self._actors), run_rank_0_only_axes, where)
+        check_signature(self._worker_cls, method_name, args, kwargs, where)
+        if len(ranks) > 1:
+            args = tuple(share_value(a) for a in args)
+            kwargs = {k: share_value(v) for k, v in kwargs.items()}
+        return self._call_each(method_name, ranks, [args] * len(ranks), [kwargs] * len(ranks))
+
+    def run_all_workers_multiple_data(
+        self,
+        method_name: str,
+        *args: Any,
+        run_rank_0_only_axes: list[str] | None = None,
+        common_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run a method on all workers, each with its own arguments.
+
+        Every positional and keyword argument is a list with one entry per worker
+        (length ``world_size``), or, when the group has tied workers, one entry per tied
+        group (every worker of a tied group gets its group's entry), or, with
+        ``run_rank_0_only_axes``, one entry per called worker (NeMo-RL's form).
+
+        Args:
+            method_name: the worker method.
+            args, kwargs: per-worker (or per-tied-group) lists of arguments.
+            run_rank_0_only_axes: call only the workers at coordinate 0 along these axes
+                (the entries of the others are ignored).
+            common_kwargs: keyword arguments passed whole to every worker.
+
+        Returns:
+            One Ray future per called worker, by worker index.
+
+        Raises:
+            PerWorkerDataError: no per-worker argument, or one that is not a list of a
+                valid length (a ``ValueError``, and the ``AssertionError`` of NeMo-RL).
+            ValueError: a name is both in ``kwargs`` and ``common_kwargs``.
+        """
+        self._check_live()
+        where = self._where("run_all_workers_multiple_data", method_name)
+        common = dict(common_kwargs or {})
+        check_common(kwargs, common, "per-worker", where)
+        world = len(self._actors)
+        ranks = called_ranks(self._layout, world, run_rank_0_only_axes, where)
+        per_args, per_kwargs = multiple_data(
+            self._layout, world, ranks, bool(run_rank_0_only_axes), args, kwargs, common, where)
+        check_signature(self._worker_cls, method_name, args, {**kwargs, **common}, where)
+        return self._call_each(method_name, ranks, per_args, per_kwargs)
+
+    def run_all_workers_sharded_data(
+        self,
+        method_name: str,
+        *args: Any,
+        in_sharded_axes: list[str] | None = None,
+        replicate_on_axes: list[str] | None = None,
+        output_is_replicated: list[str] | None = None,
+        make_dummy_calls_to_free_axes: bool = False,
+        common_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> MultiWorkerFuture:
+        """Run a method on all workers with data already split along named axes.
+
+        Each positional and keyword argument is a nested list indexed by the worker's
+        coordinates along ``in_sharded_axes``, in that order (``data[dp][pp]`` for
+        ``in_sharded_axes=["dp", "pp"]``). Along ``replicate_on_axes`` every worker gets
+        the same slice; each slice is put into the object store once and shared. Along
+        the free axes (in neither list) only coordinate 0 is called, or, with
+        ``make_dummy_calls_to_free_axes``, the others are called with ``None`` for every
+        sharded argument. Results come back only from coordinate 0 along
+        ``output_is_replicated`` and the free axes, and once per tied group; read them
+        with :meth:`get_all_worker_results`.
+
+        Args:
+            method_name: the worker method.
+            args, kwargs: the sharded data.
+            in_sharded_axes: axes the data is split along.
+            replicate_on_axes: axes the data is replicated along.
+            output_is_replicated: axes along which the outputs are equal (return one).
+            make_dummy_calls_to_free_axes: call the other coordinates of free axes too.
+            common_kwargs: keyword arguments passed whole to every called worker.
+
+        Returns:
+            A :class:`MultiWorkerFuture`.
+
+        Raises:
+            ValueError: unknown axes, an axis both sharded and replicated, or data that is
+                not nested to the sharded axes' sizes.
+        """
+        self._check_live()
+        where = self._where("run_all_workers_sharded_data", method_name)
+        if self._layout.sharding is None:
+            raise ValueError(f"{where}: the group has no sharding; launch it with sharding=")
+        common = dict(common_kwargs or {})
+        check_common(kwargs, common, "sharded", where)
+        # Binding checks names and counts only, so the unsplit arguments stand in.
+        check_signature(self._worker_cls, method_name, args, {**kwargs, **common}, where)
+        ranks, returns, (per_args, per_kwargs) = sharded_data(
+            self._layout, args, kwargs, common, in_sharded_axes, replicate_on_axes,
+            output_is_replicated, make_dummy_calls_to_free_axes, where,
+        )
+        futures = self._call_each(method_name, ranks, per_args, per_kwargs)
+        return MultiWorkerFuture(
+            futures=futures, return_from_workers=returns, called_workers=ranks, method=method_name,
+        )
+
+    def get_all_worker_results(
+        self, future_bundle: MultiWorkerFuture, return_generators_as_proxies: bool = False
+    ) -> list[Any]:
+        """The results of a :class:`MultiWorkerFuture`, deduplicated as it says.
+
+        Raises:
+            WorkerCallError: a worker raised or died.
+        """
+        return future_bundle.get_results(self, return_generators_as_proxies)
+
     # -- lookup and shutdown ----------------------------------------------------------------
 
     @classmethod
@@ -325,9 +539,17 @@ class WorkerGroup(ShardedCallsMixin, Generic[W]):
         ]
         group._methods = {m for m in public_methods(group._worker_cls) if m != CONFIGURE_HOOK}
         group._master_addr, group._master_port = info.get("master", (None, None))
-        group._set_layout(info["world_size"], None, None)
+        group._layout = RankLayout(info["world_size"])
         group._bind_methods()
         return group
+
+    def _adopt(self, other: WorkerGroup) -> None:
+        """Become another handle on ``other``'s running workers: the same actors, layout
+        and methods (a subclass's handle on a group found by name, or a view of it)."""
+        self._name, self._actors, self._placements = other._name, other._actors, other._placements
+        self._methods, self._layout = set(other._methods), other._layout
+        self._master_addr, self._master_port = other._master_addr, other._master_port
+        self._bind_methods()
 
     def shutdown(
         self, cleanup_method: str | None = None, timeout: float | None = 30.0, force: bool = False

@@ -13,38 +13,47 @@ from typing import Any
 
 from rlcomm.comm.identity import actor_name
 from rlcomm.errors import WorkerGroupError
+from rlcomm.placement import Placement
 from rlcomm.worker.sharding import NamedSharding
 
-__all__ = ["DP_AXIS_NAMES", "RankLayoutMixin"]
+__all__ = ["DP_AXIS_NAMES", "RankLayout"]
 
 #: Axis names treated as the data-parallel axis, in order of preference.
 DP_AXIS_NAMES = ("data_parallel", "dp")
 
 
-class RankLayoutMixin:
-    """The layout part of ``WorkerGroup`` (``launch`` calls :meth:`_set_layout`)."""
+class RankLayout:
+    """The ranks of a group of ``world_size`` workers: their sharding and tied groups
+    (none of either for a group not launched yet, ``world_size`` 0).
 
-    _sharding: NamedSharding | None = None
-    _tied_groups: list[list[int]] | None = None
-    _tied_bundles: list[tuple[int, list[int]]] | None = None
+    Args:
+        world_size: the number of workers.
+        sharding: the group's named axes (default: see the module docstring).
+        bundle_indices_list: NeMo-RL's tied groups, ``[(node_rank, [local indices]), ...]``.
 
-    def _set_layout(
+    Raises:
+        TypeError: ``sharding`` is not a :class:`NamedSharding`.
+        ValueError: the sharding does not have ``world_size`` ranks.
+    """
+
+    def __init__(
         self,
         world_size: int,
-        sharding: NamedSharding | None,
-        bundle_indices_list: Sequence[tuple[int, Sequence[int]]] | None,
-    ) -> None:
-        """Validate and keep the rank layout and tied groups (called by ``launch``)."""
+        sharding: NamedSharding | None = None,
+        bundle_indices_list: Sequence[tuple[int, Sequence[int]]] | None = None,
+    ):
         if bundle_indices_list:
             groups, start = [], 0
             for _, local in bundle_indices_list:
                 groups.append(list(range(start, start + len(local))))
                 start += len(local)
-            self._tied_bundles = [(int(n), list(local)) for n, local in bundle_indices_list]
+            self._tied_bundles: list[tuple[int, list[int]]] | None = [
+                (int(n), list(local)) for n, local in bundle_indices_list
+            ]
         else:
             groups = [[r] for r in range(world_size)]
             self._tied_bundles = None
-        self._tied_groups = groups
+        self.tied_groups: list[list[int]] = groups
         if sharding is not None:
             if not isinstance(sharding, NamedSharding):
                 raise TypeError(f"launch: sharding must be a NamedSharding, got {type(sharding).__name__}")
@@ -53,89 +62,80 @@ class RankLayoutMixin:
                     f"launch: the sharding {sharding} has {sharding.size} ranks but the group "
                     f"has {world_size} workers"
                 )
-        elif all(len(g) == 1 for g in groups):
+        elif groups and all(len(g) == 1 for g in groups):
             sharding = NamedSharding(list(range(world_size)), ["data_parallel"])
         elif len({len(g) for g in groups}) == 1:
             sharding = NamedSharding(groups, ["data_parallel", "tied_worker"])
-        self._sharding = sharding
+        self.sharding: NamedSharding | None = sharding
 
-    def _worker_bundle_indices(self, rank: int, placement: Any = None) -> tuple[int, list[int]] | None:
+    def bundle_indices(self, rank: int, placement: Placement | None = None) -> tuple[int, list[int]] | None:
         """What ``configure_worker`` gets as ``bundle_indices`` (NeMo-RL's rule): the tied
         group's ``(node_idx, local indices)`` for its first worker, ``None`` for its
         other workers; ``(node_rank, [local_rank])`` of ``placement`` for a worker that
         is not tied (without ``placement``: ``None``)."""
-        if not self._tied_bundles or not self._tied_groups:
+        if not self._tied_bundles:
             if placement is None:
                 return None
             return placement.node_rank, [placement.local_rank]
-        for group, bundle in zip(self._tied_groups, self._tied_bundles, strict=True):
+        for group, bundle in zip(self.tied_groups, self._tied_bundles, strict=True):
             if group[0] == rank:
                 return bundle[0], list(bundle[1])
         return None
 
-    @property
-    def sharding_annotations(self) -> NamedSharding | None:
-        """The group's :class:`NamedSharding` (given to ``launch`` or the default)."""
-        return self._sharding
+    def tied_group_index(self) -> dict[int, int]:
+        """Worker index to the index of its tied group."""
+        return {w: i for i, g in enumerate(self.tied_groups) for w in g}
 
-    @property
-    def tied_workers_groups(self) -> list[list[int]]:
-        """The worker indices of each tied group (one group per worker when untied)."""
-        return [list(g) for g in self._tied_groups or []]
+    def dp_axis(self) -> str:
+        """The sharding's data-parallel axis.
 
-    @property
-    def worker_to_tied_group_index(self) -> dict[int, int]:
-        return {w: i for i, g in enumerate(self._tied_groups or []) for w in g}
-
-    def _dp_axis(self) -> str:
-        assert self._sharding is not None
+        Raises:
+            WorkerGroupError: it has none.
+        """
+        assert self.sharding is not None
         for name in DP_AXIS_NAMES:
-            if name in self._sharding.names:
+            if name in self.sharding.names:
                 return name
         raise WorkerGroupError(
-            f"the sharding {self._sharding} has no data-parallel axis; name one of "
+            f"the sharding {self.sharding} has no data-parallel axis; name one of "
             f"{list(DP_AXIS_NAMES)}"
         )
 
-    @property
     def dp_size(self) -> int:
         """The number of data-parallel shards (the tied groups when there is no sharding)."""
-        if self._sharding is None:
-            return len(self._tied_groups or [])
-        axis = self._dp_axis()
-        return self._sharding.get_axis_size(axis)
+        if self.sharding is None:
+            return len(self.tied_groups)
+        return self.sharding.get_axis_size(self.dp_axis())
 
-    def get_dp_leader_worker_idx(self, dp_shard_idx: int) -> int:
+    def dp_leader(self, dp_shard_idx: int) -> int:
         """The worker at data-parallel index ``dp_shard_idx`` and 0 on every other axis
         (without sharding: the first worker of tied group ``dp_shard_idx``)."""
-        sharding = self._sharding
+        sharding = self.sharding
         if sharding is None:
-            groups = self._tied_groups or []
+            groups = self.tied_groups
             if not 0 <= dp_shard_idx < len(groups):
                 raise ValueError(f"dp shard {dp_shard_idx} not in 0..{len(groups) - 1}")
             return groups[dp_shard_idx][0]
-        axis = self._dp_axis()
         coords = {name: 0 for name in sharding.names}
-        coords[axis] = dp_shard_idx
-        return sharding.get_ranks(**coords)  # type: ignore[return-value]
+        coords[self.dp_axis()] = dp_shard_idx
+        rank = sharding.get_ranks(**coords)
+        assert isinstance(rank, int)
+        return rank
 
-    @property
-    def worker_metadata(self) -> list[dict[str, Any]]:
+    def metadata(self, group_name: str, placements: Sequence[Placement]) -> list[dict[str, Any]]:
         """Per worker: rank, actor name, node, local rank, GPUs, tied group, coordinates."""
-        tied_of = self.worker_to_tied_group_index
-        out = []
-        for p in self._placements:  # type: ignore[attr-defined]
-            coords = self._sharding.get_worker_coords(p.rank) if self._sharding else None
-            out.append(
-                {
-                    "rank": p.rank,
-                    "name": actor_name(self._name, p.rank),  # type: ignore[attr-defined]
-                    "node_idx": p.node_rank,
-                    "local_rank": p.local_rank,
-                    "accelerator_ids": list(p.accelerator_ids),
-                    "tied_group_idx": tied_of.get(p.rank, p.rank),
-                    "bundle_indices": self._worker_bundle_indices(p.rank, p),
-                    "coords": coords,
-                }
-            )
-        return out
+        tied_of = self.tied_group_index()
+        sharding = self.sharding
+        return [
+            {
+                "rank": p.rank,
+                "name": actor_name(group_name, p.rank),
+                "node_idx": p.node_rank,
+                "local_rank": p.local_rank,
+                "accelerator_ids": list(p.accelerator_ids),
+                "tied_group_idx": tied_of.get(p.rank, p.rank),
+                "bundle_indices": self.bundle_indices(p.rank, p),
+                "coords": sharding.get_worker_coords(p.rank) if sharding else None,
+            }
+            for p in placements
+        ]

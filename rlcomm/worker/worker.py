@@ -10,7 +10,7 @@ import torch
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.manager import CommManager
 from rlcomm.settings import group_name_from_env
-from rlcomm.worker.dispatch import DispatchInfoMixin
+from rlcomm.worker.dispatch import MeshTable
 
 if TYPE_CHECKING:
     from rlcomm.channel import Channel
@@ -31,7 +31,7 @@ class _class_or_remote_method(classmethod):
         return super().__get__(obj, objtype)
 
 
-class Worker(DispatchInfoMixin):
+class Worker:
     """Base class of every rlcomm worker.
 
     Subclass it with a plain ``__init__`` and launch it with
@@ -69,6 +69,88 @@ class Worker(DispatchInfoMixin):
                 WorkerAddress(group, (int(os.environ.get("RANK", 0)),)),
                 int(os.environ.get("WORLD_SIZE", 1)),
             )
+
+    # -- verl's n-d dispatch: the meshes this worker belongs to --------------------------------
+
+    def _mesh_table(self) -> MeshTable:
+        """This worker's :class:`~rlcomm.worker.dispatch.MeshTable`, made on first use (a
+        subclass's ``__init__`` need not call ``Worker.__init__`` first)."""
+        table = self.__dict__.get("_rlcomm_meshes")
+        if table is None:
+            table = self.__dict__["_rlcomm_meshes"] = MeshTable()
+        return table
+
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Record this worker's data-parallel index and collect flag for ``mesh_name``.
+
+        A worker that belongs to an n-d mesh (data x tensor x pipeline parallel, ...)
+        calls this in its ``__init__``, once per mesh name; a worker group's
+        ``make_nd_compute_dispatch_fn`` reads it back to send data-parallel chunk
+        ``dp_rank`` to this worker and to return its output only when ``is_collect``.
+
+        Raises:
+            MeshRegisteredError: ``mesh_name`` was registered already on this worker (a
+                ``ValueError``, as in verl).
+        """
+        self._mesh_table().register(mesh_name, dp_rank, is_collect)
+
+    def get_dispatch_collect(self) -> dict[str, dict[str, Any]]:
+        """Every registered mesh: ``{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank":
+        {mesh: is_collect}}`` (verl's form; a copy)."""
+        return self._mesh_table().dispatch_collect()
+
+    def set_dispatch_collect(
+        self, mesh_name: str, dispatch_dp_rank: dict[str, int], collect_dp_rank: dict[str, bool]
+    ) -> None:
+        """Register ``mesh_name`` from another worker's :meth:`get_dispatch_collect`, as
+        verl's fused workers do (a worker that plays two roles takes each role's mesh).
+
+        The dp rank and collect flag are taken from the given dicts (verl reads their
+        values; each should hold one mesh).
+
+        Raises:
+            MeshRegisteredError: ``mesh_name`` is registered already (an
+                ``AssertionError``, as in verl).
+            ValueError: the dicts do not hold exactly one entry each.
+        """
+        table = self._mesh_table()
+        if table.get(mesh_name) is not None:
+            table.register(mesh_name, 0, False, "set_dispatch_collect")  # raises: taken
+        if len(dispatch_dp_rank) != 1 or len(collect_dp_rank) != 1:
+            raise ValueError(
+                "set_dispatch_collect: pass the get_dispatch_collect() of a worker that "
+                f"registered one mesh; got {dispatch_dp_rank!r} and {collect_dp_rank!r}"
+            )
+        [dp_rank] = dispatch_dp_rank.values()
+        [is_collect] = collect_dp_rank.values()
+        table.register(mesh_name, dp_rank, is_collect)
+
+    def query_collect_info(self, mesh_name: str) -> bool:
+        """Whether this worker returns output for ``mesh_name`` (verl's name).
+
+        Raises:
+            KeyError: ``mesh_name`` is not registered on this worker.
+        """
+        info = self._query_mesh_info(mesh_name)
+        if info is None:
+            raise KeyError(f"mesh {mesh_name!r} is not registered on {type(self).__name__}")
+        return info[1]
+
+    def _query_mesh_info(self, mesh_name: str) -> tuple[int, bool] | None:
+        """``(dp_rank, is_collect)`` registered for ``mesh_name``, or ``None``."""
+        return self._mesh_table().get(mesh_name)
+
+    def _query_dispatch_info(self, mesh_name: str) -> int | None:
+        """The data-parallel index registered for ``mesh_name``, or ``None``."""
+        info = self._query_mesh_info(mesh_name)
+        return None if info is None else info[0]
+
+    def _query_collect_info(self, mesh_name: str) -> bool | None:
+        """Whether this worker returns output for ``mesh_name``, or ``None``."""
+        info = self._query_mesh_info(mesh_name)
+        return None if info is None else info[1]
+
+    # -- identity ---------------------------------------------------------------------------
 
     def _bind_identity(self, address: WorkerAddress, world_size: int) -> None:
         self._worker_address = address

@@ -96,7 +96,7 @@ class TrustPeer(Worker):
         from rlcomm.comm.identity.address import WorkerAddress
         from rlcomm.comm.manager import CommManager
 
-        conn = CommManager.current()._conns.get(WorkerAddress.of(group, rank))
+        conn = CommManager.current()._handshake.conns.get(WorkerAddress.of(group, rank))
         return None if conn is None else conn.transport_name
 
     def limit_unread(self, nbytes):
@@ -108,7 +108,7 @@ class TrustPeer(Worker):
         from rlcomm.comm.identity.address import WorkerAddress
         from rlcomm.comm.manager import CommManager
 
-        return CommManager.current()._conns[WorkerAddress.of(group, rank)].reader.inbox.unread
+        return CommManager.current()._handshake.conns[WorkerAddress.of(group, rank)].reader.inbox.unread
 
     def send_until_timeout(self, group, rank, count, nbytes):
         """Send ``count`` tensors numbered 0.. with a short timeout; returns how many

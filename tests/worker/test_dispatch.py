@@ -6,6 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlcomm import Worker
 from rlcomm.worker.batch import (
     batch_len,
     concat_batches,
@@ -18,7 +19,6 @@ from rlcomm.worker.batch import (
     take_range,
 )
 from rlcomm.worker.dispatch import (
-    DispatchInfoMixin,
     check_signature,
     chunk_ranges,
     collect_batches,
@@ -207,8 +207,8 @@ def test_nd_layout():
         nd_layout([(0, False)])
 
 
-def test_dispatch_info_mixin():
-    class W(DispatchInfoMixin):
+def test_a_worker_registers_its_meshes():
+    class W(Worker):
         pass
 
     w = W()

@@ -11,6 +11,8 @@ from rlcomm import MultiWorkerFuture, NamedSharding, NodePlacementStrategy, Work
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.errors import WorkerGroupError
 from rlcomm.placement import BundlePlacementStrategy, NodeSpec
+from rlcomm.worker.layout import RankLayout
+from rlcomm.worker.sharded_calls import called_ranks
 from rlcomm.worker.sharding import plan_sharded_call
 from tests.markers import cpu_only_cluster
 from tests.waiting import wait_for
@@ -104,21 +106,21 @@ def test_bundle_placement_strategy():
 
 def test_layout_without_launch():
     group = WorkerGroup(ShardWorker)
-    group._set_layout(3, None, [(0, [0, 1]), (0, [2])])
+    group._layout = RankLayout(3, None, [(0, [0, 1]), (0, [2])])
     assert group.tied_workers_groups == [[0, 1], [2]] and group.sharding_annotations is None
     assert group.dp_size == 2 and group.get_dp_leader_worker_idx(1) == 2
     with pytest.raises(ValueError, match="needs a group launched with sharding"):
-        group._called_ranks(["data_parallel"], "here")
-    group._set_layout(4, NamedSharding(DP_TP, ["x", "y"]), None)
+        called_ranks(group._layout, 3, ["data_parallel"], "here")
+    group._layout = RankLayout(4, NamedSharding(DP_TP, ["x", "y"]), None)
     with pytest.raises(WorkerGroupError, match="no data-parallel axis"):
         _ = group.dp_size
-    group._set_layout(4, None, [(0, [0, 1]), (0, [2, 3])])
+    group._layout = RankLayout(4, None, [(0, [0, 1]), (0, [2, 3])])
     assert group.sharding_annotations == NamedSharding(DP_TP, ["data_parallel", "tied_worker"])
     assert group.dp_size == 2 and group.get_dp_leader_worker_idx(1) == 2
-    group._set_layout(2, None, None)
+    group._layout = RankLayout(2, None, None)
     assert group.dp_size == 2 and group.worker_to_tied_group_index == {0: 0, 1: 1}
     with pytest.raises(ValueError, match="has 4 ranks but the group has 2 workers"):
-        group._set_layout(2, NamedSharding(DP_TP, ["dp", "tp"]), None)
+        RankLayout(2, NamedSharding(DP_TP, ["dp", "tp"]), None)
 
 
 # -- on Ray --------------------------------------------------------------------------------
