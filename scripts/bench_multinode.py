@@ -425,7 +425,7 @@ def _load() -> str:
 def run_cluster(args: argparse.Namespace) -> dict:
     """Make the emulated cluster, run the measurements inside it, remove it."""
     from rlcomm import get_settings
-    from tests.netns import NetnsCluster, ray_env, unsupported
+    from tests.netns import NetnsCluster, ray_env, tail, unsupported
 
     reason = unsupported(need_tc=True)
     if reason:
@@ -467,7 +467,8 @@ def run_cluster(args: argparse.Namespace) -> dict:
         proc.wait()
         if result is None or "error" in result:
             tails = "".join(
-                f"--- node {i}\n" + _tail(os.path.join(tmp, f"node{i}.log")) for i in range(len(nodes))
+                f"--- node {i}\n" + tail(os.path.join(tmp, f"node{i}.log"), 10)
+                for i in range(len(nodes))
             )
             raise SystemExit(f"bench_multinode: the run failed: "
                              f"{(result or {}).get('error', f'exit {proc.returncode}')}\n{tails}")
@@ -482,14 +483,6 @@ def run_cluster(args: argparse.Namespace) -> dict:
                       "load_before": load_before, "load_after": _load()}
     result["date"] = time.strftime("%Y-%m-%d")
     return result
-
-
-def _tail(path: str, n: int = 10) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError as exc:
-        return f"({exc})\n"
 
 
 def main(argv: list[str] | None = None) -> None:
