@@ -78,6 +78,10 @@ NONCE = 32
 MAC = 32  # HMAC-SHA256
 #: Seconds an accepted connection may take to prove itself.
 HANDSHAKE_TIMEOUT = 10.0
+#: Accepted connections that have not proven themselves yet, at most: past it the oldest
+#: is dropped (the member the chain waits for proves itself within a round trip), so
+#: silent connections cost at most this many descriptors and never shut the listener.
+MAX_PENDING = 64
 #: Most buffers one ``sendmsg`` takes (under the kernel's IOV_MAX of 1024).
 _IOV = 256
 #: Most bytes one ``recv_into`` asks for.
@@ -213,7 +217,7 @@ class ChainListener:
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.sock.bind((host, port))
-            self.sock.listen(16)
+            self.sock.listen(128)
             self.sock.setblocking(False)
         except BaseException:
             self.sock.close()
@@ -635,6 +639,8 @@ class ChainRun:
                 sock.close()
                 continue
             self._pending.append(link)
+            if len(self._pending) > MAX_PENDING:
+                self._pending.pop(0).close()
 
     def _prove_accepted(self, link: _Link) -> None:
         """An accepted connection's hello, checked before anything of it is believed."""

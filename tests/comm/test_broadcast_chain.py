@@ -380,6 +380,29 @@ def test_a_stranger_on_the_listener_is_dropped_and_the_broadcast_goes_on(chains)
     assert all(o == bc.ChainOutcome() for o in chain.outcomes.values()), chain.outcomes
 
 
+def test_silent_connections_cannot_hold_the_listener(chains):
+    """More silent connections than a member keeps unproven: the oldest are dropped, and
+    the chain's own link still gets in."""
+    chain = chains(3, [2 << 20], chunk=1 << 18)
+    threads = chain.start([1, 2])
+    host, port = chain.listeners[1].address.split(":")
+    silent = []
+    try:
+        for _ in range(3 * bc.MAX_PENDING):
+            s = socket.create_connection((host, int(port)), timeout=30)
+            silent.append(s)
+        first = silent[0]
+        assert len(first.recv(bc.NONCE)) == bc.NONCE  # accepted, then dropped unproven:
+        first.settimeout(5)  # its handshake's own deadline is 10 s: not what drops it
+        assert first.recv(1) == b""  # closed unanswered
+        _join(threads + chain.start([0]))
+    finally:
+        for s in silent:
+            s.close()
+    assert chain.holds_all(1) and chain.holds_all(2)
+    assert all(o == bc.ChainOutcome() for o in chain.outcomes.values()), chain.outcomes
+
+
 def test_a_record_out_of_plan_from_upstream_is_refused(chains):
     """An upstream end that proved itself but then sends a record of a length not in
     the plan: the member refuses it (it allocates nothing for it) and names it."""
