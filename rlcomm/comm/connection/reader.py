@@ -36,7 +36,15 @@ from rlcomm.comm import codec, framing
 from rlcomm.comm.connection.inbox import Inbox
 from rlcomm.comm.connection.incoming import Incoming, Payload, read_message
 from rlcomm.comm.connection.listening import Listener
-from rlcomm.comm.connection.stream import LINGER, DriverTurn, Lease, StreamState, Turn, Wakes
+from rlcomm.comm.connection.stream import (
+    EVERYONE,
+    LINGER,
+    DriverTurn,
+    Lease,
+    StreamState,
+    Turn,
+    Wakes,
+)
 from rlcomm.comm.options import default_timeout
 from rlcomm.comm.transports.base import (
     OneSidedTransport,
@@ -164,7 +172,7 @@ class Reader:
                 return False
             if self.transport is None:
                 self._close_wake_pipe()  # no driver will
-            self._apply(Wakes(True, True))
+            self._apply(EVERYONE)
         return True
 
     @property

@@ -76,6 +76,9 @@ class Wakes:
 
 
 NOBODY = Wakes(False, False)
+#: The four answers, made once (a transition runs for every message): ``_WAKES[callers][driver]``.
+EVERYONE = Wakes(True, True)
+_WAKES = ((NOBODY, Wakes(False, True)), (Wakes(True, False), EVERYONE))
 
 
 class StreamState:
@@ -191,7 +194,7 @@ class StreamState:
         """The selector lets go (``holding``: it held the stream, which it leaves)."""
         self.selected = False
         wakes = self.leave(None, now, by_caller=False) if holding else NOBODY
-        return Wakes(wakes.callers, True)
+        return _WAKES[wakes.callers][True]
 
     # -- leaving the stream --------------------------------------------------------------------
 
@@ -207,7 +210,7 @@ class StreamState:
             self.pumper = None
         # A receiver thread blocked on its turn reads on once a stall ends; on a
         # pollable transport it looks again within the linger time anyway.
-        return Wakes(True, stall_ends and not self.pollable)
+        return _WAKES[True][stall_ends and not self.pollable]
 
     def claim_stall(self) -> None:
         """The receive op that took a deferred message reads its payload (``CLAIMANT``).
@@ -222,7 +225,7 @@ class StreamState:
     def hand_back(self) -> Wakes:
         """A pump is done and no reply is awaited: the driver may read at once."""
         self._last_read = float("-inf")
-        return Wakes(False, True)
+        return _WAKES[False][True]
 
     # -- receive ops -----------------------------------------------------------------------------
 
@@ -253,7 +256,8 @@ class StreamState:
         ``pumper``) does next; ``asked``: it asked the driver already. Returns the turn
         and whether it has asked now (it then calls :meth:`unask` when done)."""
         if ticket is not None:
-            self._skip_abandoned()
+            if self._abandoned:
+                self._skip_abandoned()
             my_turn = self._serving == ticket
             if my_turn and self.inbox:
                 return Turn.SERVE, asked
@@ -283,7 +287,7 @@ class StreamState:
         out). The next ticket's turn begins."""
         room = consumed and self.inbox.take()  # below the cap again: the driver reads on
         self._serving = max(self._serving, ticket + 1)
-        return Wakes(True, room)
+        return _WAKES[True][bool(room)]
 
     def failed_op(self, ticket: int) -> None:
         """``ticket``'s op raised: its turn ends (or, not its turn yet, it is skipped)."""
