@@ -225,6 +225,12 @@ def _join(threads, timeout=60):
         assert not t.is_alive()
 
 
+def _everyone_got_it(chain: Chain) -> None:
+    """Every receiver holds the payload, and every member's run ended without a failure."""
+    assert all(chain.holds_all(i) for i in range(1, chain.n))
+    assert all(o == bc.ChainOutcome() for o in chain.outcomes.values()), chain.outcomes
+
+
 def _wait_stopped(proc: subprocess.Popen) -> None:
     """Until the process stopped itself (SIGSTOP): the kernel says so."""
     _, status = os.waitpid(proc.pid, os.WUNTRACED)
@@ -234,8 +240,7 @@ def _wait_stopped(proc: subprocess.Popen) -> None:
 def test_every_member_gets_an_odd_sized_payload_in_order(chains):
     chain = chains(4, [(1 << 20) + 3, 0, 17, 3 << 19], chunk=1 << 18)
     _join(chain.start(range(4)))
-    assert all(chain.holds_all(i) for i in range(1, 4))
-    assert all(o == bc.ChainOutcome() for o in chain.outcomes.values()), chain.outcomes
+    _everyone_got_it(chain)
     assert [chain.runs[i].forwarded for i in range(3)] == [chain.runs[0].total] * 3
 
 
@@ -248,8 +253,7 @@ def test_a_member_that_comes_late_gets_it_and_so_do_those_after_it(chains):
     assert chain.runs[3].received == 0 if 3 in chain.runs else True
     threads += chain.start([2])
     _join(threads)
-    assert all(chain.holds_all(i) for i in range(1, 4))
-    assert all(o == bc.ChainOutcome() for o in chain.outcomes.values()), chain.outcomes
+    _everyone_got_it(chain)
 
 
 def test_a_relay_killed_midway_is_named_by_every_member_after_and_before_it(chains):
@@ -376,8 +380,7 @@ def test_a_stranger_on_the_listener_is_dropped_and_the_broadcast_goes_on(chains)
     finally:
         for s in strangers:
             s.close()
-    assert chain.holds_all(1) and chain.holds_all(2)
-    assert all(o == bc.ChainOutcome() for o in chain.outcomes.values()), chain.outcomes
+    _everyone_got_it(chain)
 
 
 def test_silent_connections_cannot_hold_the_listener(chains):
@@ -399,8 +402,7 @@ def test_silent_connections_cannot_hold_the_listener(chains):
     finally:
         for s in silent:
             s.close()
-    assert chain.holds_all(1) and chain.holds_all(2)
-    assert all(o == bc.ChainOutcome() for o in chain.outcomes.values()), chain.outcomes
+    _everyone_got_it(chain)
 
 
 def test_a_record_out_of_plan_from_upstream_is_refused(chains):
