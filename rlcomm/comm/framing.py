@@ -59,15 +59,19 @@ def unpack(frame: bytes) -> tuple[MessageHeader, bytes, bytes]:
     return header, frame[start:end], frame[end:]
 
 
-def split_inline(header: MessageHeader, inline: bytes) -> list[torch.Tensor | bytes]:
+def split_inline(
+    header: MessageHeader, inline: bytes, sizes: list[int] | None = None
+) -> list[torch.Tensor | bytes]:
     """Rebuild a message's CPU tensors from its inline bytes (the one "tensor" of an
-    ``OBJECT`` or ``BYTES`` message stays ``bytes``: :func:`codec.decode` takes it so)."""
+    ``OBJECT`` or ``BYTES`` message stays ``bytes``: :func:`codec.decode` takes it so).
+    ``sizes``: each tensor's bytes, when the caller has them already."""
     if header.kind == Kind.OBJECT or header.kind == Kind.BYTES:
         return [inline]
     tensors: list[torch.Tensor | bytes] = []
     offset = 0
-    for meta in header.tensors:
-        n = meta.nbytes
+    if sizes is None:
+        sizes = [meta.nbytes for meta in header.tensors]
+    for meta, n in zip(header.tensors, sizes):
         if n:
             flat = torch.frombuffer(
                 bytearray(inline[offset : offset + n]), dtype=codec.dtype_of(meta.dtype)

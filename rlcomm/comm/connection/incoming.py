@@ -81,7 +81,8 @@ def classify(
             not match its header.
     """
     metas = header.tensors
-    total = sum(m.nbytes for m in metas)
+    sizes = [m.nbytes for m in metas]
+    total = sum(sizes)
     limit = max_message_bytes()
     if total > limit:
         raise ProtocolMismatchError(
@@ -101,7 +102,7 @@ def classify(
                 f"{header.inline} inline; {then}"
             )
         if header.kind != Kind.RAW:
-            msg.tensors = framing.split_inline(header, inline)
+            msg.tensors = framing.split_inline(header, inline, sizes)
     elif device:
         msg.payload = Payload.OFFERED if offer else Payload.IN_STREAM
     elif header.kind != Kind.RAW:

@@ -526,6 +526,11 @@ class Reader:
                     turn, asked = state.want(now, deadline, asked, ticket)
                     if turn is Turn.SERVE:
                         break
+                    if turn is Turn.READ:  # its turn, the stream idle: it reads itself
+                        self._read_as_caller(deadline - now)
+                        if state.inbox:  # what it read: want() would say SERVE now
+                            break
+                        continue
                     if turn is Turn.FAIL:
                         raise state.error  # type: ignore[misc]
                     if turn is Turn.TIMEOUT:
