@@ -36,7 +36,7 @@ class Incoming:
             :meth:`~.reader.Reader.take_in_offers`, copies it out.
     """
 
-    __slots__ = ("device", "header", "inline", "nbytes", "offer", "payload", "tensors")
+    __slots__ = ("device", "header", "inline", "nbytes", "offer", "payload", "sizes", "tensors")
 
     def __init__(self, header: MessageHeader, inline: bytes, offer: bytes = b"",
                  payload: Payload = Payload.INLINE, device: bool = False):
@@ -47,6 +47,7 @@ class Incoming:
         self.device = device  # its payload is CUDA tensors
         self.tensors: list[torch.Tensor] | None = None
         self.nbytes = len(inline) + len(offer)  # what it holds in memory while unread
+        self.sizes: list[int] = []  # each tensor's bytes, as :func:`classify` worked them out
 
     @property
     def deferred(self) -> bool:
@@ -95,6 +96,7 @@ def classify(
             f"{what} from {peer} carries a device offer but no CUDA tensors; {then}"
         )
     msg = Incoming(header, inline, offer, device=device)
+    msg.sizes = sizes
     if header.inline or not metas:
         if header.inline != total or len(inline) != total:
             raise ProtocolMismatchError(
@@ -124,7 +126,7 @@ def read_message(transport: Transport, peer: str, rest: float | None = None) -> 
     rest = default_timeout() if rest is None else max(rest, 0.001)
     msg = classify(*framing.unpack(transport.recv_frame(None, rest)), peer)
     if msg.payload is Payload.READ:
-        sizes = [m.nbytes for m in msg.header.tensors if m.nbytes]
+        sizes = [n for n in msg.sizes if n]
         payload = transport.recv_new(sizes, rest)
         msg.tensors = framing.tensors_from_payload(msg.header, payload)
         msg.nbytes += sum(sizes)
