@@ -189,7 +189,7 @@ class CommManager:
         header, tensors = codec.encode_raw(obj) if raw else codec.encode(obj, piggyback)
         conn = self.connection(dst, options)
         timeout = op_timeout(options)
-        order = _device_order(tensors, async_op)
+        order = _device_order(tensors, async_op) if tensors and tensors[0].is_cuda else None
         op = "send_tensor" if raw else "send"
         key = _begin(op, dst, header)
         if async_op:
@@ -206,7 +206,8 @@ class CommManager:
             return AsyncWork(fut, what, timeout, explain=lambda exc, waited: self.explain(
                 exc, op, dst, key, timeout if waited is None else waited))
         try:
-            self._check_first_contact(conn, options, timeout)
+            if not conn.checked_first_contact:
+                self._check_first_contact(conn, options, timeout)
             conn.send_inline(header, tensors, timeout, order)
         except BaseException as exc:
             _end(key, exc)
@@ -233,24 +234,10 @@ class CommManager:
             stream = torch.cuda.current_stream(device)
         op = "recv_tensor" if tensor is not None else "recv"
         key = _begin(op, src)
-
-        def run() -> Any:
-            try:
-                self._check_first_contact(conn, options, timeout)
-                if tensor is not None:
-                    result = conn.recv_tensor_into(ticket, tensor, timeout)
-                else:
-                    result = conn.recv_object(ticket, timeout, device, into)
-            except BaseException as exc:
-                conn.release_ticket(ticket)  # unless served: every early exit gives it up
-                _end(key, exc)
-                raise
-            _end(key)
-            return result
-
         if async_op:
             what = f"{op} at {self.address} from {src}"
-            task = run
+            task = run = functools.partial(
+                self._receive, conn, ticket, options, timeout, key, device, tensor, into)
             if stream is not None:  # the received tensors are ordered on the caller's stream
                 task = functools.partial(_on_stream, stream, run)
             try:
@@ -263,9 +250,30 @@ class CommManager:
             return AsyncWork(fut, what, timeout, explain=lambda exc, waited:
                              self.explain(exc, op, src, key, timeout if waited is None else waited))
         try:
-            return run()
+            return self._receive(conn, ticket, options, timeout, key, device, tensor, into)
         except CommError as exc:
             raise self.explain(exc, op, src, key, timeout)  # noqa: B904 - the same error
+
+    def _receive(
+        self, conn: Connection, ticket: int, options: CollectiveGroupOptions | None,
+        timeout: float, key: int, device: torch.device | None, tensor: torch.Tensor | None,
+        into: Any,
+    ) -> Any:
+        """Receive op ``key`` on ``conn`` (see :meth:`recv`), on the caller's thread or
+        the connection's consumer thread."""
+        try:
+            if not conn.checked_first_contact:
+                self._check_first_contact(conn, options, timeout)
+            if tensor is not None:
+                result = conn.recv_tensor_into(ticket, tensor, timeout)
+            else:
+                result = conn.recv_object(ticket, timeout, device, into)
+        except BaseException as exc:
+            conn.release_ticket(ticket)  # unless served: every early exit gives it up
+            _end(key, exc)
+            raise
+        _end(key)
+        return result
 
     def listen(
         self, peer: WorkerAddress, on_message: Callable[[Any], None],

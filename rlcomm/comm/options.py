@@ -147,5 +147,5 @@ def set_memory_limits(max_unread: int | None = None, max_message: int | None = N
 
 def op_timeout(options: CollectiveGroupOptions | None) -> float:
     if options is None or options.timeout is None:
-        return default_timeout()
+        return get_settings().comm_timeout  # default_timeout(), on every op's path
     return options.timeout

@@ -5,6 +5,7 @@ drives by hand. Over shared memory and over the registry proof's loopback TCP.""
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import torch
@@ -73,7 +74,8 @@ def test_the_inbox_counts_unread_bytes_against_its_cap():
 def test_the_sender_keeps_call_order_across_queued_and_inline_sends(ends):
     a, b = ends
     failures: list[CommError] = []
-    sender = Sender("b", lambda timeout: a, lambda: None, failures.append, _no_cuda)
+    sender = Sender("b", lambda timeout: a, types.SimpleNamespace(error=None), failures.append,
+                    _no_cuda)
     sender.transport = a
     futures = [sender.submit(*codec.encode(i), 10) for i in range(20)]
     sender.send_inline(*codec.encode("inline"), 10)  # behind the queued ones
@@ -90,7 +92,8 @@ def test_the_sender_keeps_call_order_across_queued_and_inline_sends(ends):
 def test_the_sender_refuses_to_send_on_a_failed_connection(ends):
     a, _ = ends
     lost = CommError("gone")
-    sender = Sender("b", lambda timeout: a, lambda: lost, lambda e: None, _no_cuda)
+    sender = Sender("b", lambda timeout: a, types.SimpleNamespace(error=lost), lambda e: None,
+                    _no_cuda)
     with pytest.raises(CommError, match="gone"):
         sender.send_inline(*codec.encode(1), 10)
     sender.close()

@@ -45,6 +45,11 @@ def _state(pollable: bool = True, max_unread: int = 100) -> StreamState:
         ("caller read at 10", 10.0 + LINGER / 2, (DriverTurn.LATER, 10.0 + LINGER / 2 + LINGER),
          Lease.IDLE),
         ("caller read at 10", 10.0 + LINGER, (DriverTurn.READ, None), Lease.IDLE),
+        # A receive op was served from the inbox: the same (a caller receiving in a loop
+        # reads on itself, rather than sharing each message with the driver's thread).
+        ("op served at 10", 10.0 + LINGER / 2, (DriverTurn.LATER, 10.0 + LINGER / 2 + LINGER),
+         Lease.IDLE),
+        ("op served at 10", 10.0 + LINGER, (DriverTurn.READ, None), Lease.IDLE),
         # An op asked for the stream: the driver waits.
         ("an op asked", 10.0, (DriverTurn.LATER, 10.0 + LINGER), Lease.IDLE),
         # The inbox is at its cap: the driver stops reading.
@@ -61,6 +66,11 @@ def test_the_receiver_thread_takes_the_stream(setup, now, expected, lease):
     if setup == "caller read at 10":
         state.want(10.0, FAR, False, state.take_ticket())
         state.leave(None, 10.0, by_caller=True)
+    elif setup == "op served at 10":
+        state.inbox.put(_msg())
+        ticket = state.take_ticket()
+        assert state.want(10.0, FAR, False, ticket) == (Turn.SERVE, False)
+        state.served(ticket, consumed=True, now=10.0)
     elif setup == "an op asked":
         state.lease = Lease.DRIVER
         assert state.want(now, FAR, False, state.take_ticket()) == (Turn.ASK, True)
@@ -151,7 +161,7 @@ def test_a_receive_op_asks_what_to_do(setup, now, expected, lease):
         state.driver_take(0.0)
     if setup == "stalled":
         state.leave(_msg(deferred=True), 0.0, by_caller=False)
-        state.served(first, consumed=True)
+        state.served(first, consumed=True, now=0.0)
         ticket = state.take_ticket()
     assert state.want(now, 5.0, asked, ticket) == expected
     assert state.lease is lease
@@ -166,7 +176,7 @@ def test_receive_ops_are_served_in_ticket_order_and_skip_abandoned_ones():
     assert state.release_ticket(t0)  # t0 gave up before its turn
     assert not state.release_ticket(t0)  # idempotent
     assert state.want(0.0, FAR, False, t1) == (Turn.SERVE, False)
-    assert state.served(t1, consumed=True) == Wakes(True, False)
+    assert state.served(t1, consumed=True, now=0.0) == Wakes(True, False)
     assert state.want(0.0, FAR, False, t2)[0] is Turn.READ  # its turn, inbox empty
     state.leave(None, 0.0, by_caller=True)
     state.failed_op(t2)  # it raised in its turn: the next one's turn begins
@@ -180,7 +190,7 @@ def test_an_op_that_raises_before_its_turn_is_skipped_later():
     t0, t1 = state.take_ticket(), state.take_ticket()
     state.failed_op(t1)  # not its turn yet: abandoned
     state.inbox.put(_msg())
-    state.served(t0, consumed=True)
+    state.served(t0, consumed=True, now=0.0)
     t2 = state.take_ticket()
     state.inbox.put(_msg())
     assert state.want(0.0, FAR, False, t2) == (Turn.SERVE, False)
@@ -192,8 +202,8 @@ def test_taking_a_message_below_the_cap_wakes_the_driver():
     state.inbox.put(_msg(10))
     state.inbox.put(_msg(10))
     assert state.inbox.full
-    assert state.served(ticket, consumed=True) == Wakes(True, True)
-    assert state.served(state.take_ticket(), consumed=False) == Wakes(True, False)
+    assert state.served(ticket, consumed=True, now=0.0) == Wakes(True, True)
+    assert state.served(state.take_ticket(), consumed=False, now=0.0) == Wakes(True, False)
 
 
 # -- leaving, stalls, claimants ---------------------------------------------------------------------

@@ -84,10 +84,15 @@ class Connection:
         self._peer_pid: int | None = None
         self._cuda_lock = threading.Lock()
         self.reader = Reader(peer, self.fail, self.wait_ready, self._cuda_transport)
+        #: A receive op's place in line (see :meth:`.Reader.take_ticket`).
+        self.take_ticket = self.reader.take_ticket
         self.sender = Sender(
-            peer, self.wait_ready, lambda: self.reader.error, self.fail, self._cuda_transport,
+            peer, self.wait_ready, self.reader, self.fail, self._cuda_transport,
             self.reader.take_in_offers,
         )
+        #: Send a message from the calling thread, after any queued async sends (see
+        #: :meth:`.Sender.send_inline`).
+        self.send_inline = self.sender.send_inline
         self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
         self._consumer_lock = threading.Lock()
         self.transport_name = "pending"
@@ -191,13 +196,6 @@ class Connection:
         """Queue a message on the sender thread (see :meth:`.Sender.submit`)."""
         return self.sender.submit(header, tensors, timeout, before, order)
 
-    def send_inline(
-        self, header: MessageHeader, tensors: list[torch.Tensor], timeout: float,
-        order: DeviceOrder | None = None,
-    ) -> None:
-        """Send a message from the calling thread, after any queued async sends."""
-        self.sender.send_inline(header, tensors, timeout, order)
-
     def send_message(self, obj: Any, timeout: float) -> None:
         """Encode ``obj`` and send it from the calling thread: the short path of a caller
         that holds the connection already (a listened one), past the manager's lookups."""
@@ -236,9 +234,6 @@ class Connection:
             return self._cuda
 
     # -- receive ops ----------------------------------------------------------------------------
-
-    def take_ticket(self) -> int:
-        return self.reader.take_ticket()
 
     def release_ticket(self, ticket: int) -> None:
         self.reader.release_ticket(ticket)
@@ -284,7 +279,11 @@ class Connection:
             return True, msg
 
         msg = self.reader.receive(ticket, timeout, handle, "recv")
-        tensors = self._payload(msg, targets, device, timeout, "recv")
+        payload = msg.payload
+        if targets is None and (payload is Payload.INLINE or payload is Payload.READ):
+            tensors = msg.tensors  # the common case, made already: no lookups
+        else:
+            tensors = self._payload(msg, targets, device, timeout, "recv")
         if into is None:
             return codec.decode(msg.header, tensors)
         if msg.header.piggyback is not None:

@@ -106,12 +106,17 @@ class Reader:
         self.fail = fail
         self._ready = ready
         self._cuda_transport = cuda_transport
-        lock = threading.RLock()
+        # Held with ``with self._lock`` (a C-level enter, cheaper than the condition's
+        # on every message); both conditions wait and notify on it.
+        self._lock = lock = threading.RLock()
         self._cond = threading.Condition(lock)
         # The receiver thread waits on its own condition (same lock), so that handing
         # messages to receive ops does not wake it each time.
         self._driver_wake = threading.Condition(lock)
         self._state = StreamState(peer)
+        #: The connection's error, once it failed: the state's, copied here when it is
+        #: recorded (every send and lookup reads it; the state machine stays the judge).
+        self.error: CommError | None = None
         self.transport: Transport | None = None
         self.listener: Listener | None = None
         self._selector: Wakeable | None = None
@@ -123,10 +128,6 @@ class Reader:
         return f"Reader({self._state!r})"
 
     # -- what the state machine says -------------------------------------------------------
-
-    @property
-    def error(self) -> CommError | None:
-        return self._state.error
 
     @property
     def lease(self) -> Lease:
@@ -149,7 +150,7 @@ class Reader:
     def stats(self) -> dict[str, Any]:
         """What a status report shows of the read side: the lease, unread messages and
         bytes, whether it failed."""
-        with self._cond:
+        with self._lock:
             state = self._state
             return {"lease": state.lease.value, "unread": len(state.inbox),
                     "unread_bytes": state.inbox.unread, "failed": state.error is not None,
@@ -158,7 +159,7 @@ class Reader:
     # -- life cycle ----------------------------------------------------------------------------
 
     def attach(self, transport: Transport) -> None:
-        with self._cond:
+        with self._lock:
             self.transport = transport
             self._state.attach(is_pollable(transport))
             if self._selector is not None:
@@ -167,9 +168,10 @@ class Reader:
     def set_error(self, error: CommError) -> bool:
         """Record the connection's error and wake every waiter. Returns False when it had
         one already (the first error stays)."""
-        with self._cond:
+        with self._lock:
             if not self._state.fail(error):
                 return False
+            self.error = error
             if self.transport is None:
                 self._close_wake_pipe()  # no driver will
             self._apply(EVERYONE)
@@ -185,9 +187,12 @@ class Reader:
         if wakes.callers:
             self._cond.notify_all()
         if wakes.driver:
-            self._driver_wake.notify()
-            if self._selector is not None:
-                self._selector.wake()
+            self._wake_driver()
+
+    def _wake_driver(self) -> None:
+        self._driver_wake.notify()
+        if self._selector is not None:
+            self._selector.wake()
 
     def _poke(self, byte: bytes) -> None:
         """Wake the thread reading in poll (holding the lock)."""
@@ -351,7 +356,7 @@ class Reader:
         CUDA payloads to each other before receiving then both go on, as on the CPU path,
         up to the unread-bytes cap. A payload that cannot be copied now stays offered
         (its receive op raises the reason)."""
-        with self._cond:
+        with self._lock:
             self._claim_trailing_offer()
             inbox = self._state.inbox
             pending = [m for m in inbox if m.payload is Payload.OFFERED]
@@ -381,7 +386,7 @@ class Reader:
     def wait_for_stream(self) -> Transport | None:
         """As the receiver thread: wait until the stream is the driver's, then return
         the transport to read (``None``: the stream failed, the thread ends)."""
-        with self._cond:
+        with self._lock:
             while True:
                 now = time.monotonic()
                 turn, until = self._state.driver_take(now)
@@ -393,19 +398,19 @@ class Reader:
 
     def driver_leave(self, msg: Incoming | None) -> None:
         """The driver read ``msg`` (``None``: nothing) and leaves the stream."""
-        with self._cond:
+        with self._lock:
             self._apply(self._state.leave(msg, time.monotonic(), by_caller=False))
 
     def receiver_ended(self) -> None:
         """The receiver thread ends: its wake pipe goes, unless a selector polls it."""
-        with self._cond:
+        with self._lock:
             if not self._state.selected:
                 self._close_wake_pipe()
 
     def select_by(self, selector: Wakeable) -> None:
         """Let ``selector`` drive the stream instead of the receiver thread (it keeps to
         that once the transport is known to be pollable; else it lets go)."""
-        with self._cond:
+        with self._lock:
             self._selector = selector
             if self._state.select():
                 self._poke(b"s")  # out of its poll: the receiver thread leaves the stream
@@ -415,7 +420,7 @@ class Reader:
         """As ``selector``: take the stream if it may read now. The transport when taken;
         False when not now (look again within :data:`LINGER`); True when the selector
         is done with this reader (it failed, or its transport cannot be polled)."""
-        with self._cond:
+        with self._lock:
             if self._selector is not selector:
                 return True
             turn, _ = self._state.driver_take(time.monotonic(), selector=True)
@@ -436,7 +441,7 @@ class Reader:
         then leave the stream if the message goes to the inbox or somebody wants it.
         Returns whether it left."""
         msg = self.read_one(transport) if has_data else None  # type: ignore[arg-type]
-        with self._cond:
+        with self._lock:
             # A dispatched message leaves nothing to hand over: keep the stream unless it
             # is wanted (the selector empties the wake pipes when woken).
             if self._selector is not None and self._state.driver_keeps(msg is not None):
@@ -447,7 +452,7 @@ class Reader:
     def selector_release(self, selector: Wakeable, holding: bool) -> None:
         """``selector`` (``holding`` the stream or not) ends: the receiver thread reads
         the stream again."""
-        with self._cond:
+        with self._lock:
             if self._selector is selector:
                 self._selector = None
                 wakes = self._state.unselect(holding, time.monotonic())
@@ -464,7 +469,7 @@ class Reader:
         transport = self.transport
         msg = None
         deadline = time.monotonic() + remaining
-        self._cond.release()
+        self._lock.release()
         try:
             if transport.poll(remaining, self._wake_r if wakeable else None):  # type: ignore[union-attr]
                 msg = self.read_one(transport, deadline - time.monotonic())  # type: ignore[arg-type]
@@ -476,7 +481,7 @@ class Reader:
             logger.exception("waiting for a message from %s failed", self.peer)
             self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
         finally:
-            self._cond.acquire()
+            self._lock.acquire()
             self._apply(self._state.leave(msg, time.monotonic(), by_caller=True))
 
     def _take_turn(self, turn: Turn, remaining: float, pumper: bool = False) -> None:
@@ -491,13 +496,13 @@ class Reader:
     # -- receive ops ---------------------------------------------------------------------------
 
     def take_ticket(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._state.take_ticket()
 
     def release_ticket(self, ticket: int) -> None:
         """Give up receive ``ticket`` if it was not served (a receive op that failed
         before its turn): later receives then do not wait for it. Idempotent."""
-        with self._cond:
+        with self._lock:
             if self._state.release_ticket(ticket):
                 self._cond.notify_all()
 
@@ -519,7 +524,7 @@ class Reader:
         deadline = time.monotonic() + timeout
         asked = False
         state = self._state
-        with self._cond:
+        with self._lock:
             try:
                 while True:
                     now = time.monotonic()
@@ -546,7 +551,10 @@ class Reader:
             finally:
                 if asked:
                     state.unask()
-            self._apply(state.served(ticket, consume))
+            wakes = state.served(ticket, consume, now)
+            self._cond.notify_all()  # the next ticket's turn (served always wakes callers)
+            if wakes.driver:
+                self._wake_driver()
         return result
 
     def read_deferred(
@@ -554,19 +562,19 @@ class Reader:
     ) -> T:
         """Read what follows ``msg`` in the stalled stream (``msg`` was taken by this
         receive op) with ``read(transport)``, as the stream's claimant."""
-        with self._cond:
+        with self._lock:
             self._state.claim_stall()
         try:
             return read(self._ready(timeout))
         finally:
-            with self._cond:
+            with self._lock:
                 self._apply(self._state.leave(None, time.monotonic(), by_caller=True))
 
     # -- listening -------------------------------------------------------------------------------
 
     def listen(self, listener: Listener) -> None:
         """Hand every message from now on to ``listener`` (see :mod:`.listening`)."""
-        with self._cond:
+        with self._lock:
             self._state.listen()
             self.listener = listener
             error = self.error
@@ -588,7 +596,7 @@ class Reader:
         fut.add_done_callback(lambda _: self._wake_pumper(me))
         asked = False
         state = self._state
-        with self._cond:
+        with self._lock:
             try:
                 while not fut.done():
                     now = time.monotonic()
@@ -607,6 +615,6 @@ class Reader:
         """``pumper``'s future got done on another thread: end its wait in poll."""
         if threading.get_ident() == pumper:
             return
-        with self._cond:
+        with self._lock:
             if self._state.pumper == pumper:
                 self._poke(b"p")

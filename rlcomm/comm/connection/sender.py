@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +22,12 @@ from rlcomm.comm import framing
 from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.transports.base import OneSidedTransport, Transport
 from rlcomm.errors import CommError, CommTimeoutError, ProtocolMismatchError
+
+
+class Failing(Protocol):
+    """What a sender reads of its connection's read side: the error, once it failed."""
+
+    error: CommError | None
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class Sender:
     Args:
         peer: the peer's address, for messages.
         ready: waits (up to its argument, seconds) for the connected transport.
-        error: the connection's error, if it failed.
+        reader: has the connection's ``error``, once it failed.
         fail: fails the connection.
         cuda_transport: the transport of CUDA payloads for a device (made on first use).
         on_wait: run now and then while a send waits for the peer to take a CUDA payload
@@ -59,7 +65,7 @@ class Sender:
         self,
         peer: str,
         ready: Callable[[float], Transport],
-        error: Callable[[], CommError | None],
+        reader: Failing,
         fail: Callable[[CommError], None],
         cuda_transport: Callable[[torch.device | None, float], Transport | OneSidedTransport | None],
         on_wait: Callable[[], None] | None = None,
@@ -67,7 +73,7 @@ class Sender:
         self.peer = peer
         self.transport: Transport | None = None  # set once the connection is attached
         self._ready = ready
-        self._error = error
+        self._reader = reader
         self._fail = fail
         self._cuda_transport = cuda_transport
         self._on_wait = on_wait
@@ -117,7 +123,7 @@ class Sender:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     def _check_sendable(self) -> None:
-        error = self._error()
+        error = self._reader.error
         if error is not None and not isinstance(error, CommTimeoutError):
             raise error
 
@@ -143,7 +149,7 @@ class Sender:
         order: DeviceOrder | None = None,
     ) -> None:
         transport = self.transport
-        if transport is None or self._error() is not None:
+        if transport is None or self._reader.error is not None:
             transport = self._ready(timeout)
         frame, payload = framing.pack(header, tensors)
         on_cuda = bool(tensors) and tensors[0].is_cuda

@@ -14,7 +14,7 @@ The *lease* says who may read the stream:
 | lease | who reads | taken by | left for |
 | --- | --- | --- | --- |
 | ``IDLE`` | nobody | the driver (:meth:`driver_take`), a receive op or pump whose turn it is (:meth:`want`) | |
-| ``DRIVER`` | the receiver thread or the selector | :meth:`driver_take` when nobody asked for the stream (a receive op that read last leaves it to ops for :data:`LINGER` s) and the inbox is under its cap | :meth:`leave`: ``IDLE``, or ``STALLED`` |
+| ``DRIVER`` | the receiver thread or the selector | :meth:`driver_take` when nobody asked for the stream (a receive op that read or was served last leaves it to ops for :data:`LINGER` s) and the inbox is under its cap | :meth:`leave`: ``IDLE``, or ``STALLED`` |
 | ``CALLER`` | a receive op or a pump, reading its own message | :meth:`want` on a pollable transport | :meth:`leave`: ``IDLE``, or ``STALLED`` |
 | ``STALLED`` | nobody: the payload of the last message read follows it in the stream | :meth:`leave` of a deferred message | :meth:`claim_stall` by that message's receive op |
 | ``CLAIMANT`` | the receive op reading that payload | :meth:`claim_stall` | :meth:`leave`: ``IDLE`` |
@@ -78,7 +78,8 @@ class Wakes:
 NOBODY = Wakes(False, False)
 #: The four answers, made once (a transition runs for every message): ``_WAKES[callers][driver]``.
 EVERYONE = Wakes(True, True)
-_WAKES = ((NOBODY, Wakes(False, True)), (Wakes(True, False), EVERYONE))
+_CALLERS = Wakes(True, False)
+_WAKES = ((NOBODY, Wakes(False, True)), (_CALLERS, EVERYONE))
 
 
 class StreamState:
@@ -102,7 +103,7 @@ class StreamState:
         self.listened = False
         self.wanting = 0  # receive ops that asked the driver to leave the stream
         self.pumper: int | None = None  # the thread id of a pump reading as the caller
-        self._last_read = float("-inf")  # when a receive op last left the stream
+        self._last_read = float("-inf")  # when a receive op last read or was served
         self._next_ticket = 0
         self._serving = 0
         self._abandoned: set[int] = set()
@@ -282,12 +283,17 @@ class StreamState:
     def unask(self) -> None:
         self.wanting -= 1
 
-    def served(self, ticket: int, consumed: bool) -> Wakes:
+    def served(self, ticket: int, consumed: bool, now: float) -> Wakes:
         """``ticket``'s op handled the message at the inbox's head (``consumed``: took it
-        out). The next ticket's turn begins."""
+        out) at ``now``. The next ticket's turn begins. Like a receive op that read, one
+        served keeps the driver off the stream for the linger time: a caller receiving
+        in a loop then reads on itself once the inbox is empty, instead of sharing every
+        message with the driver's thread (and the process's GIL)."""
+        self._last_read = now
         room = consumed and self.inbox.take()  # below the cap again: the driver reads on
-        self._serving = max(self._serving, ticket + 1)
-        return _WAKES[True][bool(room)]
+        if ticket >= self._serving:
+            self._serving = ticket + 1
+        return EVERYONE if room else _CALLERS
 
     def failed_op(self, ticket: int) -> None:
         """``ticket``'s op raised: its turn ends (or, not its turn yet, it is skipped)."""

@@ -69,6 +69,15 @@ class WorkerAddress:
             raise ValueError(f"WorkerAddress: ranks must be ints >= 0, got {rank_path!r}")
         object.__setattr__(self, "group_name", group_name)
         object.__setattr__(self, "rank_path", path)
+        # Hashed once: an address keys the connection lookup of every message.
+        object.__setattr__(self, "_hash", hash((group_name, path)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt through __init__: a string's hash differs from process to process.
+        return (WorkerAddress, (self.group_name, self.rank_path))
 
     @classmethod
     def of(cls, group_name: str, rank: RankLike) -> WorkerAddress:
