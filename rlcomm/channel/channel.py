@@ -475,6 +475,18 @@ class Channel:
         self.flush()
         return lifecycle.worker_stats(self._info)
 
+    def client_stats(self, key: P.Key = "default") -> dict[str, Any]:
+        """What this process sees of its link to the worker that serves ``key``, without
+        a Ray call or a request: ``worker`` (its address), ``lost`` (the link failed;
+        requests raise ``ChannelLostError``), ``worker_gone`` (the link's connection sees
+        the worker's process gone now), ``writes_behind`` (puts go without waiting for
+        the worker), ``gone_checks`` (how often write-behind puts looked for a dead
+        worker), ``sent_inline`` and ``sent_off`` (request messages sent from the
+        caller's thread and from another), ``held`` (requests held for the next message),
+        ``prefetched`` (items of ``key`` taken ahead for this process's gets). A
+        distributed channel asks its coordinator for an unrouted key's home first."""
+        return self._router.requester(key).stats(key)  # type: ignore[union-attr]
+
     def _check_item(self, item: Any, key: P.Key, op: str) -> None:
         check_put(self._info.name, self._info.item_type, item, key, op)
 

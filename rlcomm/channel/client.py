@@ -107,6 +107,7 @@ class Link:
         self.behind = WriteBehind(self.requests, self._post)
         self._behind_ok = maxsize == 0 and get_settings().channel_write_behind
         self._next_peek = 0.0  # when a held put next looks whether the worker is gone
+        self._gone_checks = 0  # how often write-behind puts looked (see stats())
 
     def __repr__(self) -> str:
         return f"Link({self.channel!r}, {self.where}, lost={self.requests.lost})"
@@ -114,6 +115,15 @@ class Link:
     @property
     def lost(self) -> bool:
         return self.requests.lost
+
+    def stats(self, key: P.Key) -> dict[str, Any]:
+        """What this process sees of its link to the worker, without asking it (see
+        ``Channel.client_stats``)."""
+        outbox = self._outbox
+        return {"worker": self.where, "lost": self.lost, "worker_gone": self._peer.gone(),
+                "writes_behind": self.writes_behind, "gone_checks": self._gone_checks,
+                "sent_inline": outbox.sent_inline, "sent_off": outbox.sent_off,
+                "held": outbox.pending, "prefetched": self.prefetched(key)}
 
     @property
     def writes_behind(self) -> bool:
@@ -137,6 +147,8 @@ class Link:
             look = now >= self._next_peek
             if look:
                 self._next_peek = now + HELD_PEEK_SECONDS
+        if look:
+            self._gone_checks += 1
         if look and self._peer.gone():  # the connection fails: the link is lost (_on_error)
             self.lose(PeerLostError(f"channel worker {self.where} is gone"))
         self.behind.put_behind(req, tensors, hold, inline)

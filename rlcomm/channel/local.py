@@ -38,6 +38,13 @@ class LocalLink:
     def __repr__(self) -> str:
         return f"LocalLink({self.channel!r})"
 
+    def stats(self, key: P.Key) -> dict[str, Any]:
+        """As :meth:`.client.Link.stats`: a local channel has no worker, nothing to lose,
+        send or take ahead."""
+        return {"worker": "(local)", "lost": self.requests.lost, "worker_gone": False,
+                "writes_behind": False, "gone_checks": 0, "sent_inline": 0, "sent_off": 0,
+                "held": 0, "prefetched": 0}
+
     def prepare_item(self, item: Any) -> tuple[Any, list]:
         return item, []
 

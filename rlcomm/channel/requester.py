@@ -65,6 +65,9 @@ class ChannelLink(Protocol):
                 inline: bool = True) -> RequestWork:
         """Send ``req``; its handle (see :meth:`Requester.request`)."""
 
+    def stats(self, key: P.Key) -> dict[str, Any]:
+        """What this process sees of the link, for ``key`` (see ``Channel.client_stats``)."""
+
     def prepare_item(self, item: Any) -> tuple[Any, list[torch.Tensor]]:
         """What a ``Put`` carries for ``item`` and the tensors beside it.
 

@@ -117,6 +117,13 @@ def decode_report(data: bytes) -> dict[str, Any]:
     return _decode(data)
 
 
+def process_status() -> dict[str, Any]:
+    """This process's report, as ``rlcomm status`` gathers it from each worker: its ops
+    under way and recent ones, and its sections (``process``: its connections and its
+    mailbox store; ``channels``)."""
+    return decode_report(report())
+
+
 # -- asking a process -----------------------------------------------------------------------
 
 

@@ -212,6 +212,7 @@ class StoreServer:
         }
         out["proven"] = out["connections"] - out["unproven"]
         out.update(self.counts)
+        out["rejected"] = self.rejected
         return out
 
     def close(self) -> None:

@@ -185,8 +185,7 @@ def test_items_taken_ahead_stay_gettable_once_the_worker_is_gone(cluster, monkey
             channel.put(i)
         assert channel.get(timeout=30) == 0  # 1, 2, 3 came ahead
         ray.kill(ray.get_actor(actor_name(channel.worker_group_name, 0), namespace=RLCOMM_NAMESPACE))
-        wait_for(lambda: channel._router.requester("default").lost,  # type: ignore[attr-defined]
-                 "the client sees the channel worker lost")
+        wait_for(lambda: channel.client_stats()["lost"], "the client sees the channel worker lost")
         assert [channel.get(timeout=30) for _ in range(3)] == [1, 2, 3]
         with pytest.raises(ChannelLostError, match="pf_lost"):
             channel.get(timeout=30)

@@ -23,7 +23,6 @@ from rlcomm import (
     NodePlacementStrategy,
     Worker,
 )
-from rlcomm.channel import client
 from rlcomm.channel import outbox as outbox_module
 from rlcomm.cluster import RLCOMM_NAMESPACE
 from rlcomm.comm.identity import actor_name
@@ -48,23 +47,27 @@ class Putter(Worker):
         """Async puts without tensors: each work is done at once (no reply to wait
         for); returns how many messages they went in."""
         channel.put(-1, key="warm")  # the first put of a link waits: it connects
-        outbox = _link(channel, key)._outbox  # type: ignore[attr-defined]
-        before = outbox.sent_inline + outbox.sent_off
+
+        def sent() -> int:
+            stats = channel.client_stats(key)
+            return stats["sent_inline"] + stats["sent_off"]
+
+        before = sent()
         for i in range(n):
             assert channel.put(i, weight=1, key=key, async_op=True).done()
-        return outbox.sent_inline + outbox.sent_off - before
+        return sent() - before
 
     async def aput_many(self, channel: Channel, n: int, key: str) -> tuple[int, int]:
         """``aput`` on this worker's event loop; the messages sent from the loop's
         thread and from other threads."""
         await channel.aput(-1, key="awarm")
-        outbox = _link(channel, key)._outbox  # type: ignore[attr-defined]
-        inline, off = outbox.sent_inline, outbox.sent_off
+        start = channel.client_stats(key)
         for i in range(n):
             await channel.aput(i, weight=1, key=key)
         # The hold timer sends the last few (its pool's thread: counted as sent off).
-        await await_for(lambda: outbox.pending == 0, "the held puts are sent")
-        return outbox.sent_inline - inline, outbox.sent_off - off
+        await await_for(lambda: channel.client_stats(key)["held"] == 0, "the held puts are sent")
+        end = channel.client_stats(key)
+        return (end["sent_inline"] - start["sent_inline"], end["sent_off"] - start["sent_off"])
 
     def get_one(self, channel: Channel, key: str) -> object:
         return channel.get(key=key, timeout=60)
@@ -96,10 +99,6 @@ def _worker_pid(channel: Channel) -> int:
     return ray.get(actor.channel_node_info.remote(), timeout=60)["pid"]
 
 
-def _link(channel: Channel, key: str = "k") -> client.Link:
-    return channel._router.requester(key)  # type: ignore[attr-defined, return-value]
-
-
 def test_puts_of_a_worker_method_are_held_when_it_returns(cluster, putter):
     channel = Channel.create("wb_method", cluster=cluster)
     try:
@@ -120,16 +119,15 @@ def test_puts_of_a_worker_method_are_held_when_it_returns(cluster, putter):
 def test_a_put_then_a_get_of_the_same_process_see_each_other(cluster):
     channel = Channel.create("wb_fifo", cluster=cluster)
     try:
-        link = _link(channel)
         channel.put(-1, key="k")  # the first put waits: the connection is made on it
         assert channel.get_nowait(key="k") == -1
-        assert link.writes_behind
+        assert channel.client_stats("k")["writes_behind"]
         for i in range(200):
             channel.put(i, key="k")
             assert channel.get_nowait(key="k") == i
         bounded = Channel.create("wb_bounded", cluster=cluster, maxsize=4)
         try:
-            assert not _link(bounded).writes_behind  # a bound is answered by the worker
+            assert not bounded.client_stats()["writes_behind"]  # a bound is answered by the worker
         finally:
             bounded.shutdown()
     finally:
@@ -142,17 +140,17 @@ def test_async_puts_without_tensors_travel_together_unanswered(cluster, putter, 
         # Held puts look for a dead worker at most once a millisecond; a blocking put
         # still looks every time, also right after held ones.
         channel.put(0, key="peek")  # connects
-        link = _link(channel, "peek")
-        looks: list[int] = []
-        real_gone = link._peer.gone  # type: ignore[attr-defined]
-        monkeypatch.setattr(link._peer, "gone", lambda: looks.append(1) or real_gone())  # type: ignore[attr-defined]
+
+        def looks() -> int:
+            return channel.client_stats("peek")["gone_checks"]
+
+        start = looks()
         for i in range(50):
             channel.put(i, key="peek", async_op=True)
-        held_looks = len(looks)
+        held_looks = looks() - start
         for i in range(3):
             channel.put(i, key="peek")
-        assert held_looks < 50 and len(looks) == held_looks + 3, (held_looks, len(looks))
-        monkeypatch.undo()
+        assert held_looks < 50 and looks() - start == held_looks + 3, (held_looks, looks())
 
         messages = putter.put_async_many(channel, 1000, "k").wait(timeout=120)[0]
         assert messages <= 1000 // outbox_module.HOLD_ENTRIES + 5, messages
@@ -232,8 +230,8 @@ def test_a_killed_channel_worker_fails_the_next_put_and_flush(cluster):
             pid = _worker_pid(other)
             os.kill(pid, signal.SIGKILL)
             wait_process_gone(pid)
-            peer = _link(other)._peer  # type: ignore[attr-defined]
-            wait_for(peer.gone, "the put's connection sees the channel worker gone")
+            wait_for(lambda: other.client_stats("k")["worker_gone"],
+                     "the put's connection sees the channel worker gone")
             with pytest.raises(ChannelLostError, match="wb_killed2"):
                 for _ in range(100):  # the first put after the death is seen raises
                     other.put("y", key="k")
@@ -299,8 +297,7 @@ def test_a_get_takes_tensor_items_ahead_within_the_byte_budget(cluster):
         for t in items:
             channel.put(t, key="k")
         first = channel.get(key="k", timeout=10)
-        link = _link(channel)
-        ahead = link.prefetched("k")
+        ahead = channel.client_stats("k")["prefetched"]
         # 16 MiB of 1 MiB items beside the one asked for: 15, as each item's codec
         # header counts too.
         assert ahead == 15

@@ -38,9 +38,9 @@ class HangWorker(Worker):
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("rlcomm-store"))
 
     def store_stats(self) -> dict:
-        from rlcomm.comm.manager import CommManager
+        from rlcomm.comm.status import process_status
 
-        return CommManager.current()._mailbox.store_stats()
+        return process_status()["process"]["store"]
 
     def send_one(self, obj, group, rank, timeout=30):
         self.send(obj, group, rank, options=CollectiveGroupOptions(timeout=timeout))

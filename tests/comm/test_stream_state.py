@@ -122,6 +122,10 @@ def test_a_selector_takes_pollable_streams_and_lets_go_of_others():
     assert not state.driver_keeps(read=False)  # an op asked for the stream
     assert state.unselect(holding=True, now=0.0) == Wakes(True, True)
     assert state.lease is Lease.IDLE and not state.selected
+    state.select()
+    state.fail(PeerLostError("gone"))
+    assert state.driver_take(0.0, selector=True) == (DriverTurn.STOP, None)
+    assert not state.selected  # a failed stream is nobody's to drive
 
 
 def test_selecting_a_stream_the_receiver_thread_polls_owes_it_a_poke():

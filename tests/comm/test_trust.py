@@ -24,9 +24,11 @@ import torch
 from rlcomm import CollectiveGroupOptions, NodePlacementStrategy, Worker
 from rlcomm.comm import codec
 from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
+from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.identity.endpoint import decode_endpoint
 from rlcomm.comm.identity.registry import job_secret, registry
 from rlcomm.comm.rendezvous import Note, post
+from rlcomm.comm.status import process_status
 from rlcomm.comm.store import StoreClient, StoreServer
 from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import ShmTransport
@@ -88,16 +90,16 @@ class TrustPeer(Worker):
         self.recv_tensor(buf, group, rank, options=CollectiveGroupOptions(timeout=5))
 
     def rejected(self):
-        from rlcomm.comm.manager import CommManager
+        return process_status()["process"]["store"]["rejected"]
 
-        return CommManager.current()._mailbox.rejected
+    def _connection(self, group, rank):
+        peer = str(WorkerAddress.of(group, rank))
+        rows = [c for c in process_status()["process"]["connections"] if c["peer"] == peer]
+        return rows[0] if rows else None
 
     def transport_with(self, group, rank):
-        from rlcomm.comm.identity.address import WorkerAddress
-        from rlcomm.comm.manager import CommManager
-
-        conn = CommManager.current()._handshake.conns.get(WorkerAddress.of(group, rank))
-        return None if conn is None else conn.transport_name
+        conn = self._connection(group, rank)
+        return None if conn is None else conn["transport"]
 
     def limit_unread(self, nbytes):
         from rlcomm.comm.options import set_memory_limits
@@ -105,10 +107,7 @@ class TrustPeer(Worker):
         set_memory_limits(max_unread=nbytes)
 
     def unread_from(self, group, rank):
-        from rlcomm.comm.identity.address import WorkerAddress
-        from rlcomm.comm.manager import CommManager
-
-        return CommManager.current()._handshake.conns[WorkerAddress.of(group, rank)].reader.inbox.unread
+        return self._connection(group, rank)["unread_bytes"]
 
     def send_until_timeout(self, group, rank, count, nbytes):
         """Send ``count`` tensors numbered 0.. with a short timeout; returns how many

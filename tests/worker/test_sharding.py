@@ -105,22 +105,24 @@ def test_bundle_placement_strategy():
 
 
 def test_layout_without_launch():
-    group = WorkerGroup(ShardWorker)
-    group._layout = RankLayout(3, None, [(0, [0, 1]), (0, [2])])
-    assert group.tied_workers_groups == [[0, 1], [2]] and group.sharding_annotations is None
-    assert group.dp_size == 2 and group.get_dp_leader_worker_idx(1) == 2
+    """A group's layout (what its ``tied_workers_groups``, ``dp_size`` and the like
+    read) worked out from its bundles or its sharding, no workers launched."""
+    layout = RankLayout(3, None, [(0, [0, 1]), (0, [2])])
+    assert [list(g) for g in layout.tied_groups] == [[0, 1], [2]] and layout.sharding is None
+    assert layout.dp_size() == 2 and layout.dp_leader(1) == 2
     with pytest.raises(ValueError, match="needs a group launched with sharding"):
-        called_ranks(group._layout, 3, ["data_parallel"], "here")
-    group._layout = RankLayout(4, NamedSharding(DP_TP, ["x", "y"]), None)
+        called_ranks(layout, 3, ["data_parallel"], "here")
     with pytest.raises(WorkerGroupError, match="no data-parallel axis"):
-        _ = group.dp_size
-    group._layout = RankLayout(4, None, [(0, [0, 1]), (0, [2, 3])])
-    assert group.sharding_annotations == NamedSharding(DP_TP, ["data_parallel", "tied_worker"])
-    assert group.dp_size == 2 and group.get_dp_leader_worker_idx(1) == 2
-    group._layout = RankLayout(2, None, None)
-    assert group.dp_size == 2 and group.worker_to_tied_group_index == {0: 0, 1: 1}
+        RankLayout(4, NamedSharding(DP_TP, ["x", "y"]), None).dp_size()
+    layout = RankLayout(4, None, [(0, [0, 1]), (0, [2, 3])])
+    assert layout.sharding == NamedSharding(DP_TP, ["data_parallel", "tied_worker"])
+    assert layout.dp_size() == 2 and layout.dp_leader(1) == 2
+    layout = RankLayout(2, None, None)
+    assert layout.dp_size() == 2 and layout.tied_group_index() == {0: 0, 1: 1}
     with pytest.raises(ValueError, match="has 4 ranks but the group has 2 workers"):
         RankLayout(2, NamedSharding(DP_TP, ["dp", "tp"]), None)
+    group = WorkerGroup(ShardWorker)  # not launched: no workers, nothing tied
+    assert group.tied_workers_groups == [] and group.sharding_annotations is None
 
 
 # -- on Ray --------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import Kind, MessageHeader
-from rlcomm.comm.connection.incoming import Incoming, Payload
+from rlcomm.comm.connection.incoming import P_IN_STREAM, P_INLINE, P_READ, Incoming
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.reader import Reader
 from rlcomm.comm.connection.receiver import start_receiver_thread
@@ -280,7 +280,7 @@ class Connection:
 
         msg = self.reader.receive(ticket, timeout, handle, "recv")
         payload = msg.payload
-        if targets is None and (payload is Payload.INLINE or payload is Payload.READ):
+        if targets is None and (payload is P_INLINE or payload is P_READ):
             tensors = msg.tensors  # the common case, made already: no lookups
         else:
             tensors = self._payload(msg, targets, device, timeout, "recv")
@@ -297,7 +297,7 @@ class Connection:
         """The tensors of ``msg`` taken by a receive op (into ``targets`` if given)."""
         if msg.device:
             return self.reader.device_payload(msg, targets, device, timeout, what)
-        if msg.payload is Payload.IN_STREAM:  # a send_tensor CPU payload: into its place
+        if msg.payload is P_IN_STREAM:  # a send_tensor CPU payload: into its place
             direct = targets is not None and all(
                 t.is_contiguous() and not t.is_cuda for t in targets)
             buffers = targets if direct else [
@@ -336,7 +336,7 @@ class Connection:
             return True, msg
 
         msg = self.reader.receive(ticket, timeout, handle, "recv_tensor")
-        if msg.device or msg.payload is Payload.IN_STREAM:
+        if msg.device or msg.payload is P_IN_STREAM:
             self._payload(msg, [tensor], None, timeout, "recv_tensor")
         else:
             framing.copy_inline_into(tensor, msg.inline)

@@ -24,6 +24,11 @@ class Payload(enum.Enum):
     OFFERED = "offered"  # a device payload the sender offers (in the frame)
     TAKEN = "taken"  # an offered payload copied out already, into new tensors
 
+# The members as module constants (an enum member's lookup costs about 60 ns on Python
+# 3.11, and every message's path asks where its payload is).
+P_INLINE, P_READ, P_IN_STREAM, P_OFFERED, P_TAKEN = (
+    Payload.INLINE, Payload.READ, Payload.IN_STREAM, Payload.OFFERED, Payload.TAKEN)
+
 
 class Incoming:
     """A received message, and where its payload is (:class:`Payload`).
@@ -39,7 +44,7 @@ class Incoming:
     __slots__ = ("device", "header", "inline", "nbytes", "offer", "payload", "sizes", "tensors")
 
     def __init__(self, header: MessageHeader, inline: bytes, offer: bytes = b"",
-                 payload: Payload = Payload.INLINE, device: bool = False):
+                 payload: Payload = P_INLINE, device: bool = False):
         self.header = header
         self.inline = inline
         self.offer = offer
@@ -52,7 +57,7 @@ class Incoming:
     @property
     def deferred(self) -> bool:
         """Whether its payload follows it in the stream (the stream stalls on it)."""
-        return self.payload is Payload.IN_STREAM
+        return self.payload is P_IN_STREAM
 
     @property
     def on_device(self) -> bool:
@@ -61,11 +66,11 @@ class Incoming:
 
     def offered(self, offer: bytes) -> None:
         """The offer that followed this message in the stream was read."""
-        self.offer, self.payload = offer, Payload.OFFERED
+        self.offer, self.payload = offer, P_OFFERED
 
     def taken(self, tensors: list[torch.Tensor]) -> None:
         """Its offered payload was copied into ``tensors``."""
-        self.tensors, self.offer, self.payload = tensors, b"", Payload.TAKEN
+        self.tensors, self.offer, self.payload = tensors, b"", P_TAKEN
 
 
 def classify(
@@ -106,11 +111,11 @@ def classify(
         if header.kind != Kind.RAW:
             msg.tensors = framing.split_inline(header, inline, sizes)
     elif device:
-        msg.payload = Payload.OFFERED if offer else Payload.IN_STREAM
+        msg.payload = P_OFFERED if offer else P_IN_STREAM
     elif header.kind != Kind.RAW:
-        msg.payload = Payload.READ
+        msg.payload = P_READ
     else:
-        msg.payload = Payload.IN_STREAM
+        msg.payload = P_IN_STREAM
     return msg
 
 
@@ -125,7 +130,7 @@ def read_message(transport: Transport, peer: str, rest: float | None = None) -> 
     """
     rest = default_timeout() if rest is None else max(rest, 0.001)
     msg = classify(*framing.unpack(transport.recv_frame(None, rest)), peer)
-    if msg.payload is Payload.READ:
+    if msg.payload is P_READ:
         sizes = [n for n in msg.sizes if n]
         payload = transport.recv_new(sizes, rest)
         msg.tensors = framing.tensors_from_payload(msg.header, payload)

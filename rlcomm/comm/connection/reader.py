@@ -34,12 +34,27 @@ import torch
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import Incoming, Payload, read_message
+from rlcomm.comm.connection.incoming import (
+    P_IN_STREAM,
+    P_OFFERED,
+    P_TAKEN,
+    Incoming,
+    read_message,
+)
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.stream import (
+    D_LATER,
+    D_READ,
+    D_STOP,
     EVERYONE,
+    L_CLAIMANT,
+    L_STALLED,
     LINGER,
-    DriverTurn,
+    T_ASK,
+    T_FAIL,
+    T_READ,
+    T_SERVE,
+    T_TIMEOUT,
     Lease,
     StreamState,
     Turn,
@@ -218,7 +233,7 @@ class Reader:
         None when the listener took it. A failure fails the connection."""
         try:
             msg = read_message(transport, self.peer, rest)
-            if msg.payload is Payload.OFFERED:
+            if msg.payload is P_OFFERED:
                 cuda = self._cuda_transport(None, 0.0)
                 if isinstance(cuda, OneSidedTransport) and cuda.copies_at_once(msg.offer):
                     # A staged payload: copied out now, as a CPU payload is read now, so
@@ -243,7 +258,7 @@ class Reader:
         if msg.device:
             msg.tensors = self.device_payload(
                 msg, None, None, default_timeout(), "listen", transport=transport)
-        elif msg.payload is Payload.IN_STREAM:
+        elif msg.payload is P_IN_STREAM:
             msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
             self.read_payload(transport, msg.tensors, default_timeout())
 
@@ -282,7 +297,7 @@ class Reader:
             CommTimeoutError, PeerLostError: from the transports.
         """
         header = msg.header
-        if msg.payload is Payload.TAKEN:  # copied out already: order this stream after it
+        if msg.payload is P_TAKEN:  # copied out already: order this stream after it
             cuda = self._cuda_transport(None, timeout)
             if isinstance(cuda, OneSidedTransport):
                 at = targets[0].device if targets and targets[0].is_cuda else (
@@ -295,7 +310,7 @@ class Reader:
         cuda = self._cuda_transport(None, timeout) or self._cuda_transport(
             device or torch.device("cuda", torch.cuda.current_device()), timeout)
         offer = msg.offer
-        if msg.payload is Payload.IN_STREAM:  # the payload (NCCL) or its offer follows
+        if msg.payload is P_IN_STREAM:  # the payload (NCCL) or its offer follows
             if not isinstance(cuda, OneSidedTransport):
                 device = device or torch.device("cuda", torch.cuda.current_device())
                 buffers = targets if direct else [codec.empty_like_meta(m, device) for m in header.tensors]
@@ -327,7 +342,7 @@ class Reader:
         behind it: read that offer now, when it is there, so that the message is taken
         in like the others (holding ``cond``)."""
         state = self._state
-        if state.lease is not Lease.STALLED or not state.pollable or not state.inbox:
+        if state.lease is not L_STALLED or not state.pollable or not state.inbox:
             return
         msg = list(state.inbox)[-1]
         transport = self.transport
@@ -345,7 +360,7 @@ class Reader:
             # hold (a waiting send runs this); the stream is marked broken instead.
             self.set_error(exc)
         finally:
-            if state.lease is Lease.CLAIMANT:
+            if state.lease is L_CLAIMANT:
                 self._apply(state.leave(None, time.monotonic(), by_caller=True))
 
     def take_in_offers(self) -> None:
@@ -359,7 +374,7 @@ class Reader:
         with self._lock:
             self._claim_trailing_offer()
             inbox = self._state.inbox
-            pending = [m for m in inbox if m.payload is Payload.OFFERED]
+            pending = [m for m in inbox if m.payload is P_OFFERED]
             for msg in pending:
                 if inbox.full or self.error is not None:
                     return
@@ -390,9 +405,9 @@ class Reader:
             while True:
                 now = time.monotonic()
                 turn, until = self._state.driver_take(now)
-                if turn is DriverTurn.READ:
+                if turn is D_READ:
                     return self.transport
-                if turn is DriverTurn.STOP:
+                if turn is D_STOP:
                     return None
                 self._driver_wake.wait(None if until is None else max(0.0, until - now))
 
@@ -424,13 +439,12 @@ class Reader:
             if self._selector is not selector:
                 return True
             turn, _ = self._state.driver_take(time.monotonic(), selector=True)
-            if turn is DriverTurn.READ:
+            if turn is D_READ:
                 return self.transport  # type: ignore[return-value]
-            if turn is DriverTurn.LATER:
+            if turn is D_LATER:
                 return False
-            self._selector = None
-            self._state.selected = False
-            if turn is DriverTurn.STOP:
+            self._selector = None  # the state machine dropped it too
+            if turn is D_STOP:
                 self._close_wake_pipe()  # its receiver thread left it to the selector
             else:  # LET_GO: its receiver thread reads it
                 self._driver_wake.notify()
@@ -486,10 +500,10 @@ class Reader:
 
     def _take_turn(self, turn: Turn, remaining: float, pumper: bool = False) -> None:
         """Do what :meth:`StreamState.want` said (holding the lock)."""
-        if turn is Turn.READ:
+        if turn is T_READ:
             self._read_as_caller(remaining, wakeable=pumper)
             return
-        if turn is Turn.ASK:
+        if turn is T_ASK:
             self._poke(b"w")  # out of its poll: the driver leaves the stream
         self._cond.wait(remaining)
 
@@ -529,16 +543,16 @@ class Reader:
                 while True:
                     now = time.monotonic()
                     turn, asked = state.want(now, deadline, asked, ticket)
-                    if turn is Turn.SERVE:
+                    if turn is T_SERVE:
                         break
-                    if turn is Turn.READ:  # its turn, the stream idle: it reads itself
+                    if turn is T_READ:  # its turn, the stream idle: it reads itself
                         self._read_as_caller(deadline - now)
                         if state.inbox:  # what it read: want() would say SERVE now
                             break
                         continue
-                    if turn is Turn.FAIL:
+                    if turn is T_FAIL:
                         raise state.error  # type: ignore[misc]
-                    if turn is Turn.TIMEOUT:
+                    if turn is T_TIMEOUT:
                         raise CommTimeoutError(
                             f"{what} from {self.peer}: nothing arrived within {timeout}s"
                         )
@@ -601,7 +615,7 @@ class Reader:
                 while not fut.done():
                     now = time.monotonic()
                     turn, asked = state.want(now, deadline, asked, pumper=me)
-                    if turn is Turn.TIMEOUT:
+                    if turn is T_TIMEOUT:
                         return False
                     self._take_turn(turn, deadline - now, pumper=True)
                 return True
