@@ -172,6 +172,29 @@ def test_a_receive_op_asks_what_to_do(setup, now, expected, lease):
     assert state.wanting == (1 if expected == (Turn.ASK, True) else 0)
 
 
+@pytest.mark.parametrize(
+    ("deferred", "consumed", "lease", "queued"),
+    [
+        (False, True, Lease.IDLE, 0),  # read and taken: never queued
+        (True, True, Lease.STALLED, 0),  # its payload follows: the stream stalls on it
+        (False, False, Lease.IDLE, 1),  # refused to be taken: queued for the next op
+    ],
+)
+def test_a_receive_op_served_its_own_message(deferred, consumed, lease, queued):
+    state = _state()
+    ticket = state.take_ticket()
+    assert state.want(10.0, FAR, False, ticket) == (Turn.READ, False)
+    assert state.lease is Lease.CALLER
+    assert state.served_own(_msg(deferred=deferred), ticket, consumed, now=10.0) == Wakes(True, False)
+    assert state.lease is lease and len(state.inbox) == queued
+    nxt = state.take_ticket()  # the next op's turn has come
+    assert state.want(10.0, FAR, False, nxt)[0] is (Turn.SERVE if queued else
+                                                    Turn.WAIT if deferred else Turn.READ)
+    if not deferred and not queued:  # the driver keeps off for the linger time
+        state.leave(None, 10.0, by_caller=True)
+        assert state.driver_take(10.0 + LINGER / 2)[0] is DriverTurn.LATER
+
+
 def test_receive_ops_are_served_in_ticket_order_and_skip_abandoned_ones():
     state = _state()
     t0, t1, t2 = (state.take_ticket() for _ in range(3))

@@ -478,16 +478,25 @@ class Reader:
 
     def _read_as_caller(self, remaining: float, wakeable: bool = False) -> None:
         """Holding the stream (``CALLER``), read one message if one comes within
-        ``remaining`` seconds; ``wakeable``: the wake pipe ends the wait too. Called
-        holding the lock; released over the I/O."""
-        transport = self.transport
+        ``remaining`` seconds, and leave the stream; ``wakeable``: the wake pipe ends
+        the wait too. Called holding the lock; released over the I/O."""
         msg = None
+        try:
+            msg = self._caller_read(remaining, wakeable)
+        finally:
+            self._apply(self._state.leave(msg, time.monotonic(), by_caller=True))
+
+    def _caller_read(self, remaining: float, wakeable: bool = False) -> Incoming | None:
+        """Holding the stream (``CALLER``), read one message if one comes within
+        ``remaining`` seconds (``None``: none came, or the stream failed); still
+        holding the stream. Called holding the lock; released over the I/O."""
+        transport = self.transport
         deadline = time.monotonic() + remaining
         self._lock.release()
         try:
             if transport.poll(remaining, self._wake_r if wakeable else None):  # type: ignore[union-attr]
-                msg = self.read_one(transport, deadline - time.monotonic())  # type: ignore[arg-type]
-            elif wakeable:
+                return self.read_one(transport, deadline - time.monotonic())  # type: ignore[arg-type]
+            if wakeable:
                 self.drain_wake_pipe()
         except CommError as exc:
             self.fail(exc)
@@ -496,7 +505,7 @@ class Reader:
             self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
         finally:
             self._lock.acquire()
-            self._apply(self._state.leave(msg, time.monotonic(), by_caller=True))
+        return None
 
     def _take_turn(self, turn: Turn, remaining: float, pumper: bool = False) -> None:
         """Do what :meth:`StreamState.want` said (holding the lock)."""
@@ -544,12 +553,23 @@ class Reader:
                     now = time.monotonic()
                     turn, asked = state.want(now, deadline, asked, ticket)
                     if turn is T_SERVE:
+                        consume, result = handle(state.inbox.peek())
+                        wakes = state.served(ticket, consume, now)
                         break
                     if turn is T_READ:  # its turn, the stream idle: it reads itself
-                        self._read_as_caller(deadline - now)
-                        if state.inbox:  # what it read: want() would say SERVE now
-                            break
-                        continue
+                        msg = self._caller_read(deadline - now)
+                        if msg is None:
+                            self._apply(state.leave(None, time.monotonic(), by_caller=True))
+                            continue
+                        # Its own message, handled before it is ever queued (refused:
+                        # queued for the next receive).
+                        try:
+                            consume, result = handle(msg)
+                        except BaseException:
+                            self._apply(state.leave(msg, time.monotonic(), by_caller=True))
+                            raise
+                        wakes = state.served_own(msg, ticket, consume, now)
+                        break
                     if turn is T_FAIL:
                         raise state.error  # type: ignore[misc]
                     if turn is T_TIMEOUT:
@@ -557,7 +577,6 @@ class Reader:
                             f"{what} from {self.peer}: nothing arrived within {timeout}s"
                         )
                     self._take_turn(turn, deadline - now)
-                consume, result = handle(state.inbox.peek())
             except BaseException:
                 state.failed_op(ticket)
                 self._cond.notify_all()
@@ -565,7 +584,6 @@ class Reader:
             finally:
                 if asked:
                     state.unask()
-            wakes = state.served(ticket, consume, now)
             self._cond.notify_all()  # the next ticket's turn (served always wakes callers)
             if wakes.driver:
                 self._wake_driver()

@@ -30,7 +30,7 @@ import enum
 from dataclasses import dataclass
 
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import Incoming
+from rlcomm.comm.connection.incoming import P_IN_STREAM, Incoming
 from rlcomm.errors import CommError
 
 #: Seconds the driver leaves the stream to receive ops after one of them read.
@@ -306,6 +306,20 @@ class StreamState:
         if ticket >= self._serving:
             self._serving = ticket + 1
         return EVERYONE if room else _CALLERS
+
+    def served_own(self, msg: Incoming, ticket: int, consumed: bool, now: float) -> Wakes:
+        """``ticket``'s op, holding the stream (``CALLER``) on its turn with the inbox
+        empty, read ``msg`` and handled it at ``now`` (``consumed``: took it; else it
+        stays queued): :meth:`leave` and :meth:`served` in one, the message never
+        queued. The next ticket's turn begins."""
+        if not consumed:
+            self.inbox.put(msg)
+        self.lease = L_STALLED if msg.payload is P_IN_STREAM else L_IDLE
+        self._last_read = now
+        self.pumper = None
+        if ticket >= self._serving:
+            self._serving = ticket + 1
+        return _CALLERS
 
     def failed_op(self, ticket: int) -> None:
         """``ticket``'s op raised: its turn ends (or, not its turn yet, it is skipped)."""
