@@ -557,17 +557,18 @@ class Reader:
                         wakes = state.served(ticket, consume, now)
                         break
                     if turn is T_READ:  # its turn, the stream idle: it reads itself
-                        msg = self._caller_read(deadline - now)
+                        msg = None
+                        try:
+                            msg = self._caller_read(deadline - now)
+                            if msg is not None:
+                                # Its own message, handled before it is ever queued.
+                                consume, result = handle(msg)
+                        except BaseException:  # interrupted, or refused: queued
+                            self._apply(state.leave(msg, time.monotonic(), by_caller=True))
+                            raise
                         if msg is None:
                             self._apply(state.leave(None, time.monotonic(), by_caller=True))
                             continue
-                        # Its own message, handled before it is ever queued (refused:
-                        # queued for the next receive).
-                        try:
-                            consume, result = handle(msg)
-                        except BaseException:
-                            self._apply(state.leave(msg, time.monotonic(), by_caller=True))
-                            raise
                         wakes = state.served_own(msg, ticket, consume, now)
                         break
                     if turn is T_FAIL:
