@@ -50,6 +50,8 @@ def _state(pollable: bool = True, max_unread: int = 100) -> StreamState:
         ("op served at 10", 10.0 + LINGER / 2, (DriverTurn.LATER, 10.0 + LINGER / 2 + LINGER),
          Lease.IDLE),
         ("op served at 10", 10.0 + LINGER, (DriverTurn.READ, None), Lease.IDLE),
+        # ... unless receive ops wait behind it (async ones): the driver reads ahead.
+        ("op served at 10, one waits", 10.0 + LINGER / 2, (DriverTurn.READ, None), Lease.IDLE),
         # An op asked for the stream: the driver waits.
         ("an op asked", 10.0, (DriverTurn.LATER, 10.0 + LINGER), Lease.IDLE),
         # The inbox is at its cap: the driver stops reading.
@@ -66,9 +68,11 @@ def test_the_receiver_thread_takes_the_stream(setup, now, expected, lease):
     if setup == "caller read at 10":
         state.want(10.0, FAR, False, state.take_ticket())
         state.leave(None, 10.0, by_caller=True)
-    elif setup == "op served at 10":
+    elif setup.startswith("op served at 10"):
         state.inbox.put(_msg())
         ticket = state.take_ticket()
+        if setup.endswith("one waits"):
+            state.take_ticket()
         assert state.want(10.0, FAR, False, ticket) == (Turn.SERVE, False)
         state.served(ticket, consumed=True, now=10.0)
     elif setup == "an op asked":

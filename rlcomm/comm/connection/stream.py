@@ -14,7 +14,7 @@ The *lease* says who may read the stream:
 | lease | who reads | taken by | left for |
 | --- | --- | --- | --- |
 | ``IDLE`` | nobody | the driver (:meth:`driver_take`), a receive op or pump whose turn it is (:meth:`want`) | |
-| ``DRIVER`` | the receiver thread or the selector | :meth:`driver_take` when nobody asked for the stream (a receive op that read or was served last leaves it to ops for :data:`LINGER` s) and the inbox is under its cap | :meth:`leave`: ``IDLE``, or ``STALLED`` |
+| ``DRIVER`` | the receiver thread or the selector | :meth:`driver_take` when nobody asked for the stream (a receive op that read, or was served with none waiting, leaves it to ops for :data:`LINGER` s) and the inbox is under its cap | :meth:`leave`: ``IDLE``, or ``STALLED`` |
 | ``CALLER`` | a receive op or a pump, reading its own message | :meth:`want` on a pollable transport | :meth:`leave`: ``IDLE``, or ``STALLED`` |
 | ``STALLED`` | nobody: the payload of the last message read follows it in the stream | :meth:`leave` of a deferred message | :meth:`claim_stall` by that message's receive op |
 | ``CLAIMANT`` | the receive op reading that payload | :meth:`claim_stall` | :meth:`leave`: ``IDLE`` |
@@ -297,14 +297,18 @@ class StreamState:
 
     def served(self, ticket: int, consumed: bool, now: float) -> Wakes:
         """``ticket``'s op handled the message at the inbox's head (``consumed``: took it
-        out) at ``now``. The next ticket's turn begins. Like a receive op that read, one
-        served keeps the driver off the stream for the linger time: a caller receiving
-        in a loop then reads on itself once the inbox is empty, instead of sharing every
-        message with the driver's thread (and the process's GIL)."""
-        self._last_read = now
+        out) at ``now``. The next ticket's turn begins.
+
+        When no other receive op waits, one served keeps the driver off the stream for
+        the linger time, as one that read does: a caller receiving in a loop then reads
+        on itself once the inbox is empty, instead of sharing every message with the
+        driver's thread (and the process's GIL). Receive ops queued behind it (async
+        ones) are fed by the driver reading ahead."""
         room = consumed and self.inbox.take()  # below the cap again: the driver reads on
         if ticket >= self._serving:
             self._serving = ticket + 1
+        if self._next_ticket <= self._serving:
+            self._last_read = now
         return EVERYONE if room else _CALLERS
 
     def served_own(self, msg: Incoming, ticket: int, consumed: bool, now: float) -> Wakes:
