@@ -246,12 +246,6 @@ class Connection:
                 )
         return self._consumer.submit(fn)
 
-    def receive(
-        self, ticket: int, timeout: float, handle: Callable[[Incoming], tuple[bool, Any]], what: str
-    ) -> Any:
-        """Serve receive ``ticket`` (see :meth:`.Reader.receive`)."""
-        return self.reader.receive(ticket, timeout, handle, what)
-
     def recv_object(
         self, ticket: int, timeout: float, device: torch.device | None, into: Any = None
     ) -> Any:
