@@ -15,6 +15,8 @@ from rlcomm._version import __version__
 if TYPE_CHECKING:  # the same names, for type checkers and the API reference
     from rlcomm.channel import Channel
     from rlcomm.cluster import Cluster
+    from rlcomm.comm.bucket_iter import BucketIterator, Buckets
+    from rlcomm.comm.buckets import Shard
     from rlcomm.comm.codec import set_strict_mode
     from rlcomm.comm.identity.address import WorkerAddress
     from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout, set_memory_limits
@@ -23,6 +25,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference
     from rlcomm.comm.work import AsyncWork
     from rlcomm.errors import (
         AuthenticationError,
+        CapacityError,
         ChannelClosedError,
         ChannelEmpty,
         ChannelError,
@@ -59,6 +62,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference
 _MODULE_OF = {
     "Channel": "rlcomm.channel",
     "Cluster": "rlcomm.cluster",
+    "BucketIterator": "rlcomm.comm.bucket_iter",
+    "Buckets": "rlcomm.comm.bucket_iter",
+    "Shard": "rlcomm.comm.buckets",
     "set_strict_mode": "rlcomm.comm.codec",
     "WorkerAddress": "rlcomm.comm.identity.address",
     "CollectiveGroupOptions": "rlcomm.comm.options",
@@ -70,6 +76,7 @@ _MODULE_OF = {
     "empty_like": "rlcomm.comm.transports.shm_handover",
     "AsyncWork": "rlcomm.comm.work",
     "AuthenticationError": "rlcomm.errors",
+    "CapacityError": "rlcomm.errors",
     "ChannelClosedError": "rlcomm.errors",
     "ChannelEmpty": "rlcomm.errors",
     "ChannelError": "rlcomm.errors",
@@ -131,6 +138,9 @@ __all__ = [
     "set_memory_limits",
     "set_strict_mode",
     "AuthenticationError",
+    "BucketIterator",
+    "Buckets",
+    "CapacityError",
     "Channel",
     "ChannelClosedError",
     "ChannelEmpty",
@@ -157,6 +167,7 @@ __all__ = [
     "ProtocolMismatchError",
     "RlcommError",
     "RlcommTimeoutError",
+    "Shard",
     "Worker",
     "WorkerAddress",
     "WorkerCallError",

@@ -176,6 +176,14 @@ class ProtocolMismatchError(CommError):
     or a ``recv_tensor`` buffer whose shape/dtype differs from the sent tensor."""
 
 
+class CapacityError(ProtocolMismatchError):
+    """A payload cannot go through with the limits set: a receiver's
+    ``RLCOMM_MAX_MESSAGE_BYTES``, a shared-memory pool too small to stream through, a
+    pool larger than the node's memory. The message names the setting, the sizes and
+    what to change; every member of the op raises it (or an error naming the member
+    that did)."""
+
+
 class CodecError(RlcommError):
     """An object cannot be encoded or decoded (unpicklable, mixed devices, bad header)."""
 

@@ -116,6 +116,11 @@ class Settings:
         4, "shared-memory segments a broadcast source keeps per group for same-node "
         "receivers (receivers holding views of all of them make it wait)", live=False,
         minimum=1)
+    bucket_bytes: int = _setting(
+        64 << 20, "bytes of each bucket of a message that streams (a CPU payload larger "
+        "than a quarter of shm_pool_bytes, or than a receiver's max_message_bytes, on "
+        "every path); the sender's value holds, capped at a quarter of its pool",
+        minimum=1 << 20)
     bcast_chunk_bytes: int = _setting(
         1 << 20, "bytes of each record of a broadcast passed along the chain of nodes: a "
         "node forwards a record as soon as it holds it, while the next one arrives",

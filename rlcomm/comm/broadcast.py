@@ -39,6 +39,7 @@ import os
 import struct
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,14 +60,19 @@ from rlcomm.comm.broadcast_chain import (
 )
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
+from rlcomm.comm.broadcast_stream import STREAM_NOTE, LocalStream, parse_note, reason_of
+from rlcomm.comm.buckets import MIN_BUCKET, Bucket, Shards, describe, header_bucket, plan
 from rlcomm.comm.connection.incoming import Payload, classify
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
+from rlcomm.comm.taking import Taking
 from rlcomm.comm.transports import pool, registry
 from rlcomm.comm.transports.shm_fanout import FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
+from rlcomm.comm.transports.shm_memory import POOL_BYTES
 from rlcomm.errors import (
+    CapacityError,
     CodecError,
     CommError,
     CommTimeoutError,
@@ -82,7 +88,9 @@ GroupsSpec = Sequence[tuple[str, Any]]
 #: payload follows (:data:`GLOO` or :data:`CHAIN`), the broadcast's random id and the
 #: chain's record size.
 ROUTE = struct.Struct("<BQI")
-GLOO, CHAIN = 0, 1
+#: ``NOTED``: nothing follows; the source could not send the payload and the rest of
+#: the frame says why (a relay tells its node-mates, and raises).
+GLOO, CHAIN, NOTED = 0, 1, 2
 #: Record sizes a receiver accepts from a source.
 MIN_CHUNK, MAX_CHUNK = 1 << 12, 1 << 30
 #: The opening of the offer part of a note on the fan-out that tells a relay's node-mates
@@ -91,10 +99,30 @@ ABORT_NOTE = b"\x00rlcomm-chain-abort:"
 NOTE = struct.Struct("<IB")
 
 
-def _reason(exc: BaseException) -> int:
-    if isinstance(exc, PeerLostError):
-        return LOST
-    return TIMEOUT if isinstance(exc, CommTimeoutError) else REFUSED
+_reason = reason_of
+
+
+def stream_bucket(total: int, requested: int | None, limits: Sequence[int] = ()) -> int:
+    """The bucket size a CPU payload of ``total`` bytes streams in (0: it goes whole):
+    one that a quarter of the shared-memory pool cannot hold, one over a receiver's
+    limit (``limits``), or any when the caller asked for buckets (``requested``). Its
+    buckets are ``requested`` or ``RLCOMM_BUCKET_BYTES``, at most a quarter of the pool.
+
+    Raises:
+        CapacityError: the pool is too small to stream through.
+    """
+    cap = POOL_BYTES // 4
+    if not (requested or total > cap or any(total > limit for limit in limits)):
+        return 0
+    bucket = min(requested or get_settings().bucket_bytes, cap)
+    if bucket < MIN_BUCKET:
+        raise CapacityError(
+            f"a payload of {describe(total)} ({total} bytes) must stream in buckets through "
+            f"shared memory, and RLCOMM_SHM_POOL_BYTES={POOL_BYTES} leaves buckets of "
+            f"{bucket} bytes, under the {MIN_BUCKET} a bucket takes at least: set "
+            f"RLCOMM_SHM_POOL_BYTES to {4 * MIN_BUCKET} or more (256 MiB or more streams "
+            "at full speed)")
+    return max(MIN_BUCKET, bucket)
 
 
 def expand_groups(groups: GroupsSpec) -> list[WorkerAddress]:
@@ -217,48 +245,74 @@ class BroadcastGroup:
     def submit(
         self, obj: Any, src: int, timeout: float, into: Any = None,
         cuda: tuple[torch.device, Any] | None = None, host_wait: bool = False,
+        shards: Shards | None = None, bucket: int | None = None,
     ) -> concurrent.futures.Future:
         """Run :meth:`broadcast` on the group's thread (in call order). ``cuda``: the
-        caller's CUDA device and stream, which the broadcast's CUDA work is ordered on."""
-        if cuda is None:
-            return self._executor.submit(self.broadcast, obj, src, timeout, into)
+        caller's CUDA device and stream, which the broadcast's CUDA work is ordered on.
 
-        def on_callers_stream() -> Any:
-            with torch.cuda.device(cuda[0]), torch.cuda.stream(cuda[1]):
-                return self.broadcast(obj, src, timeout, into, host_wait)
+        A receiver taking the message as an iterator (``into=Buckets()``) gets the
+        iterator as soon as the message opened; the group's thread goes on reading its
+        buckets (later broadcasts on the group wait for that)."""
+        user: concurrent.futures.Future = concurrent.futures.Future()
 
-        return self._executor.submit(on_callers_stream)
+        def opened(result: Any) -> None:
+            if not user.done():
+                user.set_result(result)
+
+        def run() -> None:
+            try:
+                if cuda is None:
+                    result = self.broadcast(obj, src, timeout, into, host_wait, shards, bucket,
+                                            opened)
+                else:
+                    with torch.cuda.device(cuda[0]), torch.cuda.stream(cuda[1]):
+                        result = self.broadcast(obj, src, timeout, into, host_wait, shards,
+                                                bucket, opened)
+            except BaseException as exc:
+                if not user.done():
+                    user.set_exception(exc)
+                return
+            opened(result)
+
+        def cancelled(task: concurrent.futures.Future) -> None:
+            if task.cancelled() and not user.done():
+                user.set_exception(CommError(f"{self._label}: closed before the broadcast ran",
+                                             op="broadcast"))
+
+        self._executor.submit(run).add_done_callback(cancelled)
+        return user
 
     def broadcast(
-        self, obj: Any, src: int, timeout: float, into: Any = None, host_wait: bool = False
+        self, obj: Any, src: int, timeout: float, into: Any = None, host_wait: bool = False,
+        shards: Shards | None = None, bucket: int | None = None,
+        opened: Callable[[Any], None] | None = None,
     ) -> Any:
         """Send ``obj`` from member ``src`` to all; every member returns the object (a
-        receiver given ``into`` gets the tensors copied into it, and returns it).
+        receiver given ``into`` gets the tensors copied into it, and returns it; given
+        ``into=Buckets()``, an iterator, passed to ``opened`` as soon as it exists).
         ``host_wait``: a source of CUDA tensors returns once every receiver's copy of them
-        is done, not only ordered on its current stream."""
+        is done, not only ordered on its current stream. ``shards``: what a receiver takes
+        of each tensor. ``bucket``: the source streams the payload in buckets of that
+        many bytes."""
         deadline = time.monotonic() + timeout
         local, _ = self.plan(src)
         relays = self.relays(src)
         with self._lock:
             try:
                 if self.index == src:
-                    self._send(obj, local, list(relays), deadline, timeout, host_wait)
+                    self._send(obj, local, list(relays), deadline, timeout, host_wait, bucket)
                     return obj
+                taking = Taking(into, shards,
+                                f"broadcast at {self.members[self.index]} from {self.members[src]}",
+                                self.members[src], timeout, "broadcast")
                 if self.index in local:
-                    return self._recv_local(src, deadline, into)
+                    return self._recv_local(src, deadline, taking, opened=opened)
                 if self.index in relays:
-                    return self._recv_remote(src, relays, deadline, timeout, into)
+                    return self._recv_remote(src, relays, deadline, timeout, taking, opened)
                 relay = next(r for r, mates in relays.items() if self.index in mates)
-                return self._recv_local(relay, deadline, into, origin=src)
+                return self._recv_local(relay, deadline, taking, origin=src, opened=opened)
             finally:
                 self.phase = "idle"
-
-    def _fill(self, got: Any, into: Any, src: int) -> Any:
-        """``into`` with the tensors of the received object ``got`` copied in."""
-        header, tensors = codec.encode(got)
-        for target, tensor in zip(self._targets(header, into, src), tensors, strict=True):
-            target.copy_(tensor)
-        return into
 
     def _targets(self, header: Any, into: Any, src: int) -> list[torch.Tensor]:
         try:
@@ -278,16 +332,30 @@ class BroadcastGroup:
 
     def _send(
         self, obj: Any, local: list[int], relays: list[int], deadline: float, timeout: float,
-        host_wait: bool = False,
+        host_wait: bool = False, bucket: int | None = None,
     ) -> None:
         """Hand ``obj`` to this node's ``local`` members (shared memory, or the device for
         CUDA tensors) and to the ``relays`` of other nodes: along the chain, or by Gloo's
-        (NCCL's) broadcast; see the module docstring."""
+        (NCCL's) broadcast; see the module docstring. A large CPU payload streams in
+        buckets (:func:`stream_bucket`)."""
         header, tensors = codec.encode(obj)
+        on_cuda = bool(tensors) and tensors[0].is_cuda
+        total = sum(m.nbytes for m in header.tensors)
+        if not on_cuda and total:
+            limits = self._fanout_source(local, deadline).limits() if local else {}
+            try:
+                header.stream = stream_bucket(total, bucket, list(limits.values()))
+            except CapacityError as exc:
+                self._fail_everyone(local, relays, exc, timeout)
+                raise type(exc)(f"broadcast from {self.members[self.index]}: {exc}",
+                                op="broadcast") from exc
         frame, payload = framing.pack(header, tensors)
-        on_cuda = bool(payload) and payload[0].is_cuda
         settings = get_settings()
-        if relays and not on_cuda and sum(t.numel() for t in payload) >= max(
+        if header.stream:
+            views = [codec.as_bytes(t) for t in tensors]
+            failures = (self._send_chain_stream(frame, header, views, local, relays, timeout)
+                        if relays else self._stream_local(frame, header, views, local, timeout))
+        elif relays and not on_cuda and sum(t.numel() for t in payload) >= max(
             1, settings.bcast_chain_min_bytes
         ):
             failures = self._send_chain(frame, payload, local, relays, deadline, timeout)
@@ -451,6 +519,168 @@ class BroadcastGroup:
         errors.update(failures)
         return {m: _reason(e) for m, e in failures.items()}
 
+    # -- streamed in buckets (a payload larger than the pool should hold at once) --------
+
+    def _stream_to(self, local: list[int], timeout: float) -> LocalStream:
+        """A stream of buckets from this member to its node-mates ``local``."""
+        source = self._fanout_source(local, time.monotonic() + timeout)
+        return LocalStream(source, local, self._next_seq, lambda m: str(self.members[m]),
+                           timeout, f"broadcast from {self.members[self.index]}")
+
+    def _stream_local(
+        self, frame: bytes, header: Any, views: list[torch.Tensor], local: list[int],
+        timeout: float,
+    ) -> dict[int, Exception]:
+        """As the source: a streamed message to this node's ``local`` members (the
+        tensors' uint8 ``views``, in header order). Returns the failures."""
+        self.phase = "local"
+        stream = self._stream_to(local, timeout)
+        stream.open(frame)
+        for bucket in plan(header.tensors, header.stream):
+            stream.send(bucket, self._pieces(bucket, views), header.stream)
+        for member in stream.takers:
+            stream.failures.pop(member, None)
+        return stream.failures
+
+    @staticmethod
+    def _pieces(bucket: Bucket, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [views[p.tensor][p.start : p.end] for p in bucket.pieces]
+
+    def _fail_everyone(self, local: list[int], relays: list[int], exc: Exception,
+                       timeout: float) -> None:
+        """As the source that cannot send a payload: tell every receiver why (they raise
+        at once, rather than wait for their deadline)."""
+        if local:
+            try:
+                self._stream_to(local, min(timeout, 1.0)).abort(self.index, REFUSED, str(exc))
+            except CommError:  # they time out instead
+                pass
+        if relays:
+            self._gloo_group((self.index, *relays)).send_frame(
+                ROUTE.pack(NOTED, 0, 0) + str(exc).encode()[:2000], 0, timeout)
+
+    def _send_chain_stream(
+        self, frame: bytes, header: Any, views: list[torch.Tensor], local: list[int],
+        relays: list[int], timeout: float,
+    ) -> dict[int, Exception]:
+        """As the source: a streamed payload along the chain, one run of the chain per
+        bucket (each relay hands each bucket to its node-mates, and takes the next), and
+        to this node's members meanwhile (on the helper thread). Returns the failures."""
+        chain = [self.index, *relays]
+        bucket_bytes = header.stream
+        chunk = record_size(bucket_bytes, len(relays), get_settings().bcast_chunk_bytes)
+        run_id = int.from_bytes(os.urandom(8), "little")
+        self.phase = "frame"
+        self._gloo_group(tuple(chain)).send_frame(ROUTE.pack(CHAIN, run_id, chunk) + frame, 0,
+                                                  timeout)
+        helper = (self._helper().submit(self._stream_local, frame, header, views, local, timeout)
+                  if local else None)
+        failures: dict[int, Exception] = {}
+        try:
+            for bucket in plan(header.tensors, bucket_bytes):
+                pieces = self._pieces(bucket, views)
+                outcome = self._run_chain(
+                    chain, (run_id + 1 + bucket.index) % (1 << 64), bucket.sizes,
+                    [memoryview(p.numpy()) for p in pieces], time.monotonic() + timeout,
+                    timeout, lambda: None, chunk=chunk,
+                )
+                for member, reason in outcome.failures.items():
+                    failures.setdefault(member, self._chain_failure(member, reason, "it", False))
+                if chain[1] in failures or REFUSED in outcome.failures.values():
+                    break  # nothing more gets along the chain
+        finally:
+            if helper is not None:
+                try:
+                    failures.update(helper.result(timeout=timeout + 5))
+                except ProtocolMismatchError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the node-mates' failure, raised below
+                    failures.update(dict.fromkeys(local, exc))
+        return failures
+
+    def _recv_chain_stream(
+        self, src: int, chain: list[int], mates: list[int], header: Any, frame: bytes,
+        run_id: int, chunk: int, timeout: float, taking: Taking,
+        opened: Callable[[Any], None] | None,
+    ) -> Any:
+        """As a relay: a streamed payload along the chain, one run per bucket. Each bucket
+        lands in this member's own tensors (straight, when they take it whole on the CPU;
+        else through one bucket of staging), goes on to the next relay, and to this
+        node's ``mates`` (a stream of its own through the fan-out)."""
+        refusal: ProtocolMismatchError | None = None
+        receipt = None
+        try:
+            header_bucket(header)
+            receipt = taking.stream(header)
+        except CodecError as exc:
+            refusal = ProtocolMismatchError(f"{taking.what}: {exc}", peer=self.members[src],
+                                            op="broadcast")
+        except ProtocolMismatchError as exc:
+            refusal = exc
+        stream = None
+        if mates:
+            stream = self._stream_to(mates, timeout)
+            if refusal is not None:
+                stream.abort(self.index, REFUSED, str(refusal))
+            else:
+                try:
+                    stream.open(frame)
+                except ProtocolMismatchError as exc:
+                    refusal = exc
+        if refusal is None and receipt is not None and receipt.iterator is not None and opened:
+            opened(receipt.iterator)
+        staging: torch.Tensor | None = None
+        failures: dict[int, Exception] = {}
+        try:
+            for bucket in plan(header.tensors, header.stream):
+                refuse = refusal is not None
+                direct = None if refuse else receipt.direct(bucket)  # type: ignore[union-attr]
+                if refuse:
+                    buffers: list[torch.Tensor] = []
+                elif direct is not None:
+                    buffers = direct
+                else:
+                    if staging is None:
+                        staging = pool.take(header.stream)
+                    buffers = [staging[p.offset : p.offset + p.nbytes] for p in bucket.pieces]
+
+                def hand_to_mates(b: Bucket = bucket, bufs: list = buffers
+                                  ) -> concurrent.futures.Future | None:
+                    if stream is None or not stream.takers:
+                        return None
+                    return self._helper().submit(stream.send, b, bufs, header.stream)
+
+                outcome = self._run_chain(
+                    chain, (run_id + 1 + bucket.index) % (1 << 64),
+                    [] if refuse else bucket.sizes, [memoryview(b.numpy()) for b in buffers],
+                    time.monotonic() + timeout, timeout, hand_to_mates, refuse=refuse,
+                    chunk=chunk,
+                )
+                if outcome.upstream_error is not None:
+                    culprit, reason = outcome.upstream_error
+                    if refusal is not None:
+                        raise refusal
+                    error = self._chain_failure(culprit, reason, self._along(src, culprit), True)
+                    if stream is not None:
+                        stream.abort(culprit, reason, str(error))
+                    raise error
+                for member, reason in outcome.failures.items():
+                    failures.setdefault(member, self._chain_failure(member, reason, "it", False))
+                if direct is not None:
+                    receipt.landed(bucket)  # type: ignore[union-attr]
+                else:
+                    receipt.land(bucket, buffers)  # type: ignore[union-attr]
+        except BaseException as exc:
+            if receipt is not None:
+                receipt.fail(exc)
+            raise
+        if stream is not None:
+            for member, exc in stream.failures.items():
+                failures.setdefault(member, exc)
+        if failures:
+            self._raise_failures(failures, chain)
+        return receipt.result()  # type: ignore[union-attr]
+
     def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._helper_pool is None:
             self._helper_pool = concurrent.futures.ThreadPoolExecutor(1, "rlcomm-bcast-local")
@@ -496,7 +726,8 @@ class BroadcastGroup:
     # -- receivers ---------------------------------------------------------------------------
 
     def _recv_local(
-        self, src: int, deadline: float, into: Any = None, origin: int | None = None
+        self, src: int, deadline: float, taking: Taking, origin: int | None = None,
+        opened: Callable[[Any], None] | None = None,
     ) -> Any:
         """As a member of ``src``'s node (``src``: the source, or this node's relay of a
         broadcast from ``origin``): the message through the fan-out."""
@@ -507,9 +738,15 @@ class BroadcastGroup:
             header, inline, offer = framing.unpack(msg.frame)
             if offer.startswith(ABORT_NOTE):
                 raise self._note_error(src, src if origin is None else origin, offer)
+            if offer.startswith(STREAM_NOTE):
+                raise self._stream_note_error(src, src if origin is None else origin, offer)
             if not offer.startswith(SETUP):
                 break
             self._device.set_up(src, offer, deadline)  # then the broadcast's own message
+        if header.stream:
+            return self._recv_local_stream(sink, src, msg.seq, header, taking,
+                                           src if origin is None else origin, opened)
+        into = taking.into if taking.plain else None
         try:
             incoming = classify(header, inline, offer, self.members[src], "a broadcast",
                                 then="nothing of it was read")
@@ -528,12 +765,80 @@ class BroadcastGroup:
             if incoming.on_device and targets is None:
                 device = torch.device("cuda", torch.cuda.current_device())
                 tensors = [t.to(device) for t in tensors]
+        if not taking.plain:
+            return taking.whole(header, tensors)
         if targets is None:
             return codec.decode(header, tensors)
         if tensors is not targets:
             for target, tensor in zip(targets, tensors, strict=True):
                 target.copy_(tensor)
         return into
+
+    def _recv_local_stream(
+        self, sink: FanoutSink, src: int, seq: int, header: Any, taking: Taking, origin: int,
+        opened: Callable[[Any], None] | None,
+    ) -> Any:
+        """A message that streams in buckets through the fan-out (see
+        :mod:`~rlcomm.comm.broadcast_stream`): say whether this member takes it, then
+        copy each bucket out as it comes. A failure of this member's own (a bucket that
+        does not check out, an iterator's caller who took nothing in time) drains the
+        rest, so the source is never left waiting on it."""
+        try:
+            header_bucket(header)
+            receipt = taking.stream(header)
+        except (CodecError, ProtocolMismatchError) as exc:
+            sink.verdict(seq, False, str(exc))
+            if isinstance(exc, CodecError):
+                raise ProtocolMismatchError(f"{taking.what}: {exc}", peer=self.members[src],
+                                            op="broadcast") from exc
+            raise
+        sink.verdict(seq, True)
+        if receipt.iterator is not None and opened is not None:
+            opened(receipt.iterator)
+        failure: BaseException | None = None
+        read_before = receipt.landing.bytes_read
+        try:
+            for bucket in plan(header.tensors, header.stream):
+                msg = self._next_message(sink, src, time.monotonic() + taking.timeout,
+                                         stream=True)
+                if msg.frame:  # a stream note: it ends here
+                    _, _, offer = framing.unpack(msg.frame)
+                    raise self._stream_note_error(src, origin, offer)
+                if failure is not None:
+                    continue  # draining: the views are dropped unread
+                try:
+                    receipt.land(bucket, msg.payload(bucket.sizes))
+                except (CodecError, CommError, PeerLostError) as exc:
+                    failure = exc
+                del msg
+        except BaseException as exc:
+            receipt.fail(exc)
+            traceback.clear_frames(exc.__traceback__)  # no view of a slot stays held
+            raise
+        finally:
+            sink.bytes_read += receipt.landing.bytes_read - read_before
+        if failure is not None:
+            receipt.fail(failure)
+            raise failure
+        return receipt.result()
+
+    def _stream_note_error(self, src: int, origin: int, offer: bytes) -> Exception:
+        """The error a member raises for a stream note from ``src`` (the source, or this
+        node's relay of a broadcast from ``origin``)."""
+        note = parse_note(offer, len(self.members))
+        if note is None:
+            return ProtocolMismatchError(f"a malformed stream note from {self.members[src]}",
+                                         peer=self.members[src], op="broadcast")
+        culprit, reason, text = note
+        where = f"broadcast at {self.members[self.index]} from {self.members[origin]}"
+        blame = self.members[culprit] if culprit < len(self.members) else self.members[src]
+        if reason == REFUSED:
+            kind: type[CommError] = (CapacityError if "RLCOMM_" in text
+                                     else ProtocolMismatchError)
+            return kind(f"{where}: nothing was sent: {blame} refused it: {text}",
+                        peer=blame, op="broadcast")
+        kind = PeerLostError if reason == LOST else CommTimeoutError
+        return kind(f"{where}: it ended part-way: {text}", peer=blame, op="broadcast")
 
     def _device_tensors(
         self, src: int, header: Any, offer: bytes, targets: list[torch.Tensor] | None
@@ -554,13 +859,14 @@ class BroadcastGroup:
             ) from exc
         return targets if direct else framing.tensors_from_payload(header, buffers, device)  # type: ignore[return-value]
 
-    def _next_message(self, sink: FanoutSink, src: int, deadline: float) -> Any:
+    def _next_message(self, sink: FanoutSink, src: int, deadline: float,
+                      stream: bool = False) -> Any:
         """The next message from ``src`` (older ones are late messages of broadcasts that
-        timed out here: skipped)."""
+        timed out here: skipped). ``stream``: a bucket of a stream."""
         expected = self._seq_in.get(src, 0)
         while True:
             try:
-                msg = sink.recv(deadline)
+                msg = sink.recv(deadline, stream)
             except CommError as exc:
                 if isinstance(exc, PeerLostError):
                     self._drop_sink(src)
@@ -592,7 +898,7 @@ class BroadcastGroup:
 
     def _recv_remote(
         self, src: int, relays: dict[int, list[int]], deadline: float, timeout: float,
-        into: Any,
+        taking: Taking, opened: Callable[[Any], None] | None = None,
     ) -> Any:
         """As a relay: the frame over Gloo, then the payload as its route says; hands it
         to this node's members (``relays[self.index]``)."""
@@ -607,25 +913,35 @@ class BroadcastGroup:
         route, run_id, chunk = ROUTE.unpack_from(data)
         frame = data[ROUTE.size :]
         header, inline, _ = framing.unpack(frame)
+        if route == NOTED:
+            if mates:  # the source refused to send: so do this relay's node-mates
+                self._stream_to(mates, timeout).abort(src, REFUSED, frame.decode(errors="replace"))
+            raise CapacityError(f"broadcast at {self.members[self.index]} from "
+                                f"{self.members[src]}: nothing was sent: {frame.decode(errors='replace')}",
+                                peer=self.members[src], op="broadcast")
         if route == CHAIN and MIN_CHUNK <= chunk <= MAX_CHUNK and not header.inline:
+            if header.stream:
+                return self._recv_chain_stream(src, chain, mates, header, frame, run_id, chunk,
+                                               timeout, taking, opened)
             return self._recv_chain(src, chain, mates, header, frame, run_id, chunk, deadline,
-                                    timeout, into)
-        if route != GLOO:
+                                    timeout, taking)
+        if route != GLOO or header.stream:
             raise ProtocolMismatchError(
                 f"{self._label}: a broadcast from {self.members[src]} on route {route} with "
                 f"records of {chunk} bytes"
             )
-        got = codec.decode(header, gloo.recv_payload(header, inline, 0, timeout))
+        tensors = gloo.recv_payload(header, inline, 0, timeout)
         if mates:
-            self._send(got, mates, [], deadline, timeout)
-        return got if into is None else self._fill(got, into, src)
+            self._send(codec.decode(header, tensors), mates, [], deadline, timeout)
+        return taking.whole(header, tensors)
 
     def _recv_chain(
         self, src: int, chain: list[int], mates: list[int], header: Any, frame: bytes,
-        run_id: int, chunk: int, deadline: float, timeout: float, into: Any,
+        run_id: int, chunk: int, deadline: float, timeout: float, taking: Taking,
     ) -> Any:
         """As a relay: the payload along the chain (into ``into``'s tensors themselves
         when they are CPU tensors), passed on, and handed to ``mates``."""
+        into = taking.into if taking.plain else None
         metas = header.tensors
         total = sum(m.nbytes for m in metas)
         refused = total > max_message_bytes()
@@ -663,7 +979,7 @@ class BroadcastGroup:
             if mates:
                 self._note_to_mates(mates, culprit, reason, deadline)
             if refused:
-                raise ProtocolMismatchError(
+                raise CapacityError(
                     f"a broadcast from {self.members[src]} declares {total} bytes, over this "
                     f"worker's limit of {max_message_bytes()} (RLCOMM_MAX_MESSAGE_BYTES)",
                     peer=self.members[src], op="broadcast",
@@ -678,8 +994,7 @@ class BroadcastGroup:
             raise misfit
         if direct:
             return into
-        got = codec.decode(header, framing.tensors_from_payload(header, buffers))
-        return got if into is None else self._fill(got, into, src)
+        return taking.whole(header, framing.tensors_from_payload(header, buffers))
 
     def _along(self, src: int, culprit: int) -> str:
         """How a member's error names the member of the chain that failed before it."""

@@ -287,7 +287,8 @@ class CommManager:
 
     def broadcast(
         self, obj: Any, groups: GroupsSpec, src: tuple[str, RankLike] | None, async_op: bool,
-        options: CollectiveGroupOptions | None, into: Any = None,
+        options: CollectiveGroupOptions | None, into: Any = None, shards: Any = None,
+        bucket_bytes: int | None = None,
     ) -> Any:
         members = expand_groups(groups)
         if self.address not in members:
@@ -310,7 +311,8 @@ class CommManager:
         source = members[src_index]
         key = _begin("broadcast", source)
         try:
-            fut = group.submit(obj, src_index, timeout, into, cuda, host_wait=async_op)
+            fut = group.submit(obj, src_index, timeout, into, cuda, host_wait=async_op,
+                               shards=shards, bucket=bucket_bytes)
         except BaseException as exc:
             _end(key, exc)
             raise

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from rlcomm.comm.buckets import MIN_BUCKET
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.manager import CommManager
 from rlcomm.settings import group_name_from_env
@@ -14,6 +15,7 @@ from rlcomm.worker.dispatch import MeshTable
 
 if TYPE_CHECKING:
     from rlcomm.channel import Channel
+    from rlcomm.comm.buckets import Shards
     from rlcomm.comm.options import CollectiveGroupOptions
     from rlcomm.comm.work import AsyncWork
     from rlcomm.worker.group import WorkerGroup
@@ -341,6 +343,9 @@ class Worker:
         async_op: bool = False,
         options: CollectiveGroupOptions | None = None,
         into: Any = None,
+        *,
+        shards: Shards | None = None,
+        bucket_bytes: int | None = None,
     ) -> Any:
         """Broadcast an object from ``src`` to every worker listed in ``groups``.
 
@@ -379,7 +384,29 @@ class Worker:
         ``into`` (receivers only; an extension of RLinf's ``broadcast``): copy the
         received tensors into these existing ones and return ``into``, as
         :meth:`recv` does: a weight sync into the parameters is then one copy per
-        receiver. The source ignores it.
+        receiver. The source ignores it. ``into=rlcomm.Buckets()`` returns an iterator
+        of ``(name, tensor)`` instead, which yields each tensor as soon as it is whole
+        while later buckets are on their way (see :class:`~rlcomm.Buckets`).
+
+        **Any size.** A CPU payload larger than a quarter of ``RLCOMM_SHM_POOL_BYTES``
+        (1 GiB by default), or than a receiver's ``RLCOMM_MAX_MESSAGE_BYTES``, or any
+        payload when the source passes ``bucket_bytes``, *streams*: it goes in buckets of
+        ``bucket_bytes`` (``RLCOMM_BUCKET_BYTES``, 64 MiB, at most a quarter of the pool)
+        through at most two shared-memory slots on each node, and along the chain one
+        bucket after the other; the source fills a bucket while receivers copy out the
+        one before. Each receiver then takes it into ``into``'s tensors (no limit on the
+        size), as an iterator, or into new tensors (up to its
+        ``RLCOMM_MAX_MESSAGE_BYTES``). Every receiver says whether it takes a streamed
+        message before any bucket goes: if one refuses (``into`` does not fit, over its
+        limit), every member raises at once, naming it. A streamed broadcast's timeout
+        bounds each bucket, not the whole transfer.
+
+        ``shards`` (receivers only): what this receiver takes of each tensor, by name
+        (a mapping of names to :class:`~rlcomm.Shard`, or a function of
+        ``(name, shape)``): its tensor-parallel slice, and a dtype. Only the slice's
+        bytes are read out of shared memory; the result (or ``into``'s tensors) has the
+        slice's shape and dtype. ``bucket_bytes`` (the source only): stream in buckets
+        of this many bytes (at least 1 MiB).
 
         Returns:
             The object on every participant (an :class:`AsyncWork` if ``async_op``). On
@@ -394,7 +421,9 @@ class Worker:
         """
         if groups is None:
             raise ValueError("broadcast: groups is required, e.g. [('trainer', 0), ('rollout', [0, 1])]")
-        return self._comm.broadcast(object, groups, src, async_op, options, into)
+        _check_bucket_bytes(bucket_bytes)
+        return self._comm.broadcast(object, groups, src, async_op, options, into, shards,
+                                    bucket_bytes)
 
     def gpu_info(self) -> dict[str, Any]:
         """What this worker uses of the GPUs: ``device`` (its current CUDA device
@@ -445,3 +474,12 @@ class Worker:
         from rlcomm.channel import Channel
 
         return Channel.connect(channel_name, timeout)
+
+
+def _check_bucket_bytes(bucket_bytes: int | None) -> None:
+    if bucket_bytes is not None and (
+        not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool)
+        or bucket_bytes < MIN_BUCKET
+    ):
+        raise ValueError(f"bucket_bytes must be an int of at least {MIN_BUCKET} (1 MiB), "
+                         f"got {bucket_bytes!r}")

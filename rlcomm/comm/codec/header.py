@@ -23,6 +23,18 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 _DTYPES: dict[str, torch.dtype] = {name: dt for dt, name in _DTYPE_NAMES.items()}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (``"bfloat16"``).
+
+    Raises:
+        CodecError: a dtype a header cannot carry (a quantized one).
+    """
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CodecError(f"{dtype} cannot travel in a tensor meta") from None
+
+
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype of a :class:`TensorMeta` dtype name."""
     return _dtype_of(name)
@@ -114,6 +126,8 @@ class MessageHeader(msgspec.Struct, array_like=True):
             for ``DATACLASS``, else ``None``.
         piggyback: the pickled piggyback payload, ``None`` when there is none.
         inline: leading payload bytes the transport carries inline (the codec ignores it).
+        stream: the bytes of each bucket when the payload streams in buckets (0: it
+            does not; see :mod:`rlcomm.comm.buckets`; the codec ignores it).
     """
 
     kind: Kind
@@ -121,6 +135,7 @@ class MessageHeader(msgspec.Struct, array_like=True):
     structure: Node | None = None
     piggyback: bytes | None = None
     inline: Annotated[int, msgspec.Meta(ge=0)] = 0
+    stream: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 _HEADER_ENCODER = msgspec.msgpack.Encoder()

@@ -9,10 +9,11 @@ import enum
 import torch
 
 from rlcomm.comm import framing
+from rlcomm.comm.buckets import header_bucket
 from rlcomm.comm.codec import Kind, MessageHeader
 from rlcomm.comm.options import default_timeout, max_message_bytes
 from rlcomm.comm.transports.base import Transport
-from rlcomm.errors import ProtocolMismatchError
+from rlcomm.errors import CodecError, ProtocolMismatchError
 
 
 class Payload(enum.Enum):
@@ -88,6 +89,18 @@ def classify(
     """
     metas = header.tensors
     sizes = [m.nbytes for m in metas]
+    if header.stream:  # its buckets follow; the receive op checks what it takes of them
+        try:
+            header_bucket(header)
+        except CodecError as exc:
+            raise ProtocolMismatchError(f"{what} from {peer}: {exc}; {then}") from exc
+        if header.inline or inline or offer or header.kind == Kind.RAW:
+            raise ProtocolMismatchError(
+                f"{what} from {peer} streams in buckets but carries a payload in its frame; "
+                f"{then}")
+        msg = Incoming(header, inline, offer, P_IN_STREAM)
+        msg.sizes = sizes
+        return msg
     total = sum(sizes)
     limit = max_message_bytes()
     if total > limit:

@@ -18,6 +18,13 @@ rides along, the slot's size, the frame's length), followed by the frame when th
 no slot (a message without a payload); with a slot, the frame sits at the start of the
 slot and the payload tensors follow at :func:`payload_offsets`. A slot's memfd travels
 once per receiver (SCM_RIGHTS). Nothing here knows codecs or workers: a frame is bytes.
+
+A receiver joins with its member index and the largest message it accepts
+(:data:`JOIN`). Besides that, it writes only *verdicts* (:data:`VERDICT`: whether it
+takes a message the source asked about, and if not, why, in a few words of text): a
+message that streams in buckets goes on only once every receiver has said it takes it
+(:meth:`FanoutSource.verdicts`). A stream's buckets go through at most
+:data:`STREAM_SLOTS` slots, which the receivers map once, read-only, and read again.
 This module is the source's side and the protocol; the receiver's side is
 :mod:`~rlcomm.comm.transports.shm_fanout_sink`.
 """
@@ -60,7 +67,14 @@ HANDED_RANGE = struct.Struct("<QQ")  # offset, bytes
 #: Most handed-over tensors one message may carry (the kernel passes at most 253 fds).
 MAX_HANDED = 250
 MESSAGE = struct.Struct("<QIIQQ")  # seq, slot, fd follows, slot bytes, frame bytes
-MEMBER_INDEX = struct.Struct("<I")
+#: What a receiver sends when it connects: its member index, the largest message it takes.
+JOIN = struct.Struct("<IQ")
+#: A receiver's answer to a message: its sequence number, whether it takes it; then, when
+#: it does not, why (UTF-8 text of at most :data:`MAX_REASON` bytes).
+VERDICT = struct.Struct("<QB")
+MAX_REASON = 2048
+#: Most slots one stream of buckets goes through (the receivers keep their mappings).
+STREAM_SLOTS = min(2, MAX_SLOTS)
 _CRED = struct.Struct("3i")  # pid, uid, gid
 FLAGS_BYTES = 4096
 FD_SPACE = socket.CMSG_SPACE(4)
@@ -142,21 +156,44 @@ class _Slot:
 class _Link:
     """The source's end of one receiver's link."""
 
-    def __init__(self, member: int, sock: socket.socket, flags_fd: int):
+    def __init__(self, member: int, sock: socket.socket, flags_fd: int, limit: int):
         self.member, self.sock = member, sock
         self.flags_mm = mmap.mmap(flags_fd, FLAGS_BYTES)
         self.flags = np.frombuffer(self.flags_mm, dtype=np.uint8)
         self.sent: set[int] = set()  # slots whose fd this receiver has
         self.alive = True
+        self.limit = limit  # the largest message it said it takes
+        self.verdicts: dict[int, tuple[bool, str]] = {}  # by message, what it answered
 
     def check_alive(self) -> bool:
-        """A receiver never writes after the set-up: a readable socket means it is closed."""
+        """Whether the receiver is there: read what it wrote (verdicts); an end of
+        stream, or anything that is no verdict, means it is gone."""
         if self.alive:
             poller = select.poll()
             poller.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
             if poller.poll(0):
-                self.kill()
+                self.read_verdicts()
         return self.alive
+
+    def read_verdicts(self) -> None:
+        """Read the verdicts waiting on the socket (a closed or misbehaving receiver is
+        killed)."""
+        while self.alive:
+            try:
+                data = self.sock.recv(VERDICT.size + MAX_REASON, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.kill()
+                return
+            if len(data) < VERDICT.size:  # b"": closed
+                self.kill()
+                return
+            seq, ok = VERDICT.unpack_from(data)
+            if ok not in (0, 1) or len(self.verdicts) > 64:
+                self.kill()
+                return
+            self.verdicts[seq] = (bool(ok), data[VERDICT.size :].decode("utf-8", "replace"))
 
     def kill(self) -> None:
         self.alive = False
@@ -191,6 +228,35 @@ class FanoutSource:
         """Expected receivers that have not connected, or whose link is gone."""
         return [m for m in self._expected if m not in self._links or not self._links[m].alive]
 
+    def limits(self) -> dict[int, int]:
+        """The largest message each connected receiver said it takes."""
+        return {m: link.limit for m, link in self._links.items() if link.alive}
+
+    def verdicts(
+        self, seq: int, members: Collection[int], deadline: float
+    ) -> dict[int, tuple[bool, str] | None]:
+        """What each of ``members`` answered to message ``seq`` (``(takes it, why not)``),
+        waiting until all answered or ``deadline``; ``None`` for a member that did not
+        answer (gone, or too late)."""
+        links = {m: self._links[m] for m in members if m in self._links}
+        while True:
+            waiting = [link for link in links.values()
+                       if link.alive and seq not in link.verdicts]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                break
+            poller = select.poll()
+            for link in waiting:
+                poller.register(link.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            poller.poll(max(0.0, left) * 1000)
+            for link in waiting:
+                link.read_verdicts()
+        out: dict[int, tuple[bool, str] | None] = {}
+        for m in members:
+            link = links.get(m)
+            out[m] = None if link is None else link.verdicts.pop(seq, None)
+        return out
+
     def accept(self, deadline: float) -> None:
         """Take receivers' connections until all expected are here or ``deadline``."""
         while any(m not in self._links for m in self._expected):
@@ -208,8 +274,8 @@ class FanoutSource:
 
     def _admit(self, conn: socket.socket, deadline: float) -> None:
         conn.settimeout(max(0.05, deadline - time.monotonic()))
-        (member,) = MEMBER_INDEX.unpack(conn.recv(MEMBER_INDEX.size))
         pid, uid = peer_credentials(conn)
+        member, limit = JOIN.unpack(conn.recv(JOIN.size))
         if uid != os.getuid() or self._expected.get(member) != pid or member in self._links:
             raise AuthenticationError(
                 f"process {pid} (uid {uid}) claims to be receiver {member}"
@@ -217,33 +283,40 @@ class FanoutSource:
         flags_fd = sealed_memfd("rlcomm-bcast-flags", FLAGS_BYTES)
         try:
             socket.send_fds(conn, [b"ok"], [flags_fd])
-            link = _Link(member, conn, flags_fd)
+            link = _Link(member, conn, flags_fd, limit)
         finally:
             os.close(flags_fd)
         conn.settimeout(None)
         self._links[member] = link
 
-    def _free_slot(self, need: int, deadline: float) -> _Slot:
+    def _free_slot(self, need: int, deadline: float, stream: bool = False) -> _Slot:
         """The smallest slot of at least ``need`` bytes no live receiver holds; a new one
-        when none is free and the pool may grow; else wait for one until ``deadline``."""
-        wait = 0.0002
+        when none is free and the pool may grow; else wait for one until ``deadline``.
+        ``stream``: a bucket of a stream, which takes no new slot while
+        :data:`STREAM_SLOTS` slots could hold it (it waits for one of them)."""
+        wait = 0.0001
         while True:
             links = [link for link in self._links.values() if link.check_alive()]
             best = None
+            fitting = 0
             for slot in self.slots:
-                if slot.size >= need and (best is None or slot.size < best.size) and not any(
+                if slot.size < need:
+                    continue
+                fitting += 1
+                if (best is None or slot.size < best.size) and not any(
                     link.flags[slot.index] for link in links
                 ):
                     best = slot
             if best is not None:
                 return best
             size = _slot_bytes(need)
-            if len(self.slots) < MAX_SLOTS and self.pool_bytes + size <= POOL_BYTES:
+            grow = not stream or fitting < STREAM_SLOTS
+            if grow and len(self.slots) < MAX_SLOTS and self.pool_bytes + size <= POOL_BYTES:
                 slot = _Slot(len(self.slots), size)
                 self.slots.append(slot)
                 return slot
             free = [s for s in self.slots if not any(link.flags[s.index] for link in links)]
-            if free and self.pool_bytes - free[0].size + size <= POOL_BYTES:
+            if grow and free and self.pool_bytes - free[0].size + size <= POOL_BYTES:
                 return self._replace(free[0], size)  # free but too small: a bigger one
             if time.monotonic() > deadline:
                 holders = sorted(link.member for link in links if any(
@@ -255,7 +328,7 @@ class FanoutSource:
                     "what you keep)"
                 )
             time.sleep(wait)
-            wait = min(wait * 2, 0.005)
+            wait = min(wait * 2, 0.001)
 
     def _replace(self, old: _Slot, size: int) -> _Slot:
         slot = _Slot(old.index, size)
@@ -272,21 +345,24 @@ class FanoutSource:
 
     def publish(
         self, seq: int, frame: bytes, payload: Sequence[torch.Tensor], deadline: float,
-        only: Collection[int] | None = None,
+        only: Collection[int] | None = None, bucket: int = 0,
     ) -> dict[int, Exception]:
         """Hand message ``seq`` (``frame``, then the uint8 ``payload`` tensors) to every
         connected receiver (``only``: to those members). Returns the failures by member (a
         receiver whose process is gone, or whose socket stayed full until ``deadline``);
-        the others got it."""
+        the others got it. ``bucket``: the message is a bucket of a stream of buckets of
+        at most that many bytes (it goes through the stream's slots)."""
         failures: dict[int, Exception] = {}
         slot = None
-        by_fd = _handed_over(frame, payload)
+        by_fd = None if bucket else _handed_over(frame, payload)
         handed, rest_fd = by_fd if by_fd is not None else (None, None)
         if handed is not None:
             payload = ()
         elif payload or len(frame) > MAX_INLINE_FRAME:
             offsets, need = payload_offsets(len(frame), [t.numel() for t in payload])
-            slot = self._free_slot(need, deadline)
+            if bucket:
+                need = max(need, payload_offsets(len(frame), [bucket])[1])
+            slot = self._free_slot(need, deadline, stream=bool(bucket))
             slot.mm[: len(frame)] = frame
             for off, t in zip(offsets, payload):
                 bulk_copy.copy(slot.tensor[off : off + t.numel()], t)

@@ -1,18 +1,23 @@
 """A receiver's end of a one-to-many shared-memory link (see
 :mod:`~rlcomm.comm.transports.shm_fanout` for the protocol): it checks the source's
 process, maps each slot copy-on-write per message and clears its flag byte when the last
-view of that mapping is freed."""
+view of that mapping is freed. A bucket of a stream is read instead through a read-only
+mapping of its slot made once and kept (at most :data:`STREAM_SLOTS` of them), since
+its bytes are only copied out."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import select
 import socket
 import struct
 import time
+import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,17 +27,23 @@ from rlcomm.comm.transports.shm_fanout import (
     FLAGS_BYTES,
     HANDED_RANGE,
     HANDED_SLOT,
+    JOIN,
     MAX_HANDED,
     MAX_INLINE_FRAME,
-    MEMBER_INDEX,
+    MAX_REASON,
     MESSAGE,
     NO_SLOT,
+    STREAM_SLOTS,
+    VERDICT,
     payload_offsets,
     peer_credentials,
 )
 from rlcomm.comm.transports.shm_handover import map_received
 from rlcomm.comm.transports.shm_memory import checked_size
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+from rlcomm.settings import get_settings
+
+logger = logging.getLogger(__name__)
 
 #: Room for the most fds a handed-over message carries.
 _HANDED_FD_SPACE = socket.CMSG_SPACE(4 * MAX_HANDED)
@@ -76,9 +87,13 @@ class FanoutSink:
         source_pid: the source's process id (checked with ``SO_PEERCRED``).
         deadline: for the set-up.
         label: how error messages name the broadcast and the source.
+        limit: the largest message this receiver takes, told to the source (default:
+            ``RLCOMM_MAX_MESSAGE_BYTES``): a larger one streams, and this receiver says
+            whether it takes it.
     """
 
-    def __init__(self, name: str, member: int, source_pid: int, deadline: float, label: str):
+    def __init__(self, name: str, member: int, source_pid: int, deadline: float, label: str,
+                 limit: int | None = None):
         if not name.startswith("\0rlcomm-bcast-"):
             raise AuthenticationError(f"{label}: unexpected socket name {name!r}")
         self._label = label
@@ -89,7 +104,9 @@ class FanoutSink:
             pid, uid = peer_credentials(self._sock)
             if uid != os.getuid() or pid != source_pid:
                 raise AuthenticationError(f"{label}: the socket belongs to another process")
-            self._sock.sendall(MEMBER_INDEX.pack(member))
+            if limit is None:
+                limit = get_settings().max_message_bytes
+            self._sock.sendall(JOIN.pack(member, limit))
             _, fds, _, _ = socket.recv_fds(self._sock, 16, 1)
             if len(fds) != 1:
                 raise PeerLostError(f"{label}: the source sent no flags memory")
@@ -108,11 +125,24 @@ class FanoutSink:
         self._sock.settimeout(None)
         self._flags = np.frombuffer(self._flags_mm, dtype=np.uint8)
         self._fds: dict[int, tuple[int, int]] = {}  # slot -> (fd, size)
+        # Read-only mappings of the slots streams go through, the latest used last.
+        self._stream_maps: OrderedDict[int, mmap.mmap] = OrderedDict()
         self._poller = select.poll()
         self._poller.register(self._sock, select.POLLIN)
+        #: Bytes copied out of this link's slots by the streams read through it.
+        self.bytes_read = 0
 
-    def recv(self, deadline: float) -> FanoutMessage:
-        """The next message, waiting until ``deadline``.
+    def verdict(self, seq: int, takes: bool, why: str = "") -> None:
+        """Tell the source whether this receiver takes message ``seq`` (and why not)."""
+        data = VERDICT.pack(seq, int(takes)) + why.encode()[:MAX_REASON]
+        try:
+            self._sock.send(data, socket.MSG_DONTWAIT)
+        except OSError as exc:  # a full or closed socket: the source sees no verdict
+            logger.debug("%s: the verdict on message %d did not go: %s", self._label, seq, exc)
+
+    def recv(self, deadline: float, stream: bool = False) -> FanoutMessage:
+        """The next message, waiting until ``deadline``. ``stream``: it is a bucket of a
+        stream, read through the slot's kept read-only mapping.
 
         Raises:
             CommTimeoutError: nothing came in time.
@@ -136,12 +166,12 @@ class FanoutSink:
             for fd in struct.unpack(f"{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
         ]
         try:
-            return self._message(data, fds)
+            return self._message(data, fds, stream)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _message(self, data: bytes, fds: list[int]) -> FanoutMessage:
+    def _message(self, data: bytes, fds: list[int], stream: bool = False) -> FanoutMessage:
         if not data:
             raise PeerLostError(f"{self._label}: the source is gone")
         if len(data) < MESSAGE.size:
@@ -162,6 +192,7 @@ class FanoutSink:
             old = self._fds.pop(slot, None)
             if old is not None:
                 os.close(old[0])
+            self._forget_map(slot)
             real = checked_size(fds[0], self._label)
             self._fds[slot] = (os.dup(fds[0]), real)
         if slot not in self._fds:
@@ -172,11 +203,39 @@ class FanoutSink:
                 f"{self._label}: a message declares a {size}-byte slot with a {frame_len}-byte "
                 f"frame; the slot has {real} bytes"
             )
-        mm = mmap.mmap(fd, real, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if stream:
+            mm = self._stream_map(slot, fd, real)
+        else:
+            mm = mmap.mmap(fd, real, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         frame = mm[:frame_len]
         arr = np.frombuffer(mm, dtype=np.uint8)
         weakref.finalize(arr, _release, self._flags, slot)
-        return FanoutMessage(seq, frame, torch.from_numpy(arr))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only: only copied out
+            return FanoutMessage(seq, frame, torch.from_numpy(arr))
+
+    def _stream_map(self, slot: int, fd: int, size: int) -> mmap.mmap:
+        """The kept read-only mapping of ``slot`` (made now if need be; the least
+        recently used one beyond :data:`STREAM_SLOTS` goes)."""
+        mm = self._stream_maps.pop(slot, None)
+        if mm is None:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._stream_maps[slot] = mm
+        while len(self._stream_maps) > STREAM_SLOTS:
+            self._close_map(self._stream_maps.popitem(last=False)[1])
+        return mm
+
+    def _forget_map(self, slot: int) -> None:
+        mm = self._stream_maps.pop(slot, None)
+        if mm is not None:
+            self._close_map(mm)
+
+    @staticmethod
+    def _close_map(mm: mmap.mmap) -> None:
+        try:
+            mm.close()
+        except BufferError:  # a view of it is still alive; it unmaps when freed
+            pass
 
     def _handed(self, seq: int, rest: bytes, count: int, frame_len: int,
                 fds: list[int]) -> FanoutMessage:
@@ -195,6 +254,8 @@ class FanoutSink:
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for slot in list(self._stream_maps):
+            self._forget_map(slot)
 
 
 def _release(flags: np.ndarray, slot: int) -> None:
