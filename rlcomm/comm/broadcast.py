@@ -61,7 +61,7 @@ from rlcomm.comm.broadcast_chain import (
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
 from rlcomm.comm.broadcast_stream import STREAM_NOTE, LocalStream, parse_note, reason_of
-from rlcomm.comm.buckets import MIN_BUCKET, Bucket, Shards, describe, header_bucket, plan
+from rlcomm.comm.buckets import Bucket, Shards, header_bucket, plan, stream_bucket
 from rlcomm.comm.connection.incoming import Payload, classify
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
@@ -70,7 +70,6 @@ from rlcomm.comm.taking import Taking
 from rlcomm.comm.transports import pool, registry
 from rlcomm.comm.transports.shm_fanout import FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
-from rlcomm.comm.transports.shm_memory import POOL_BYTES
 from rlcomm.errors import (
     CapacityError,
     CodecError,
@@ -100,29 +99,6 @@ NOTE = struct.Struct("<IB")
 
 
 _reason = reason_of
-
-
-def stream_bucket(total: int, requested: int | None, limits: Sequence[int] = ()) -> int:
-    """The bucket size a CPU payload of ``total`` bytes streams in (0: it goes whole):
-    one that a quarter of the shared-memory pool cannot hold, one over a receiver's
-    limit (``limits``), or any when the caller asked for buckets (``requested``). Its
-    buckets are ``requested`` or ``RLCOMM_BUCKET_BYTES``, at most a quarter of the pool.
-
-    Raises:
-        CapacityError: the pool is too small to stream through.
-    """
-    cap = POOL_BYTES // 4
-    if not (requested or total > cap or any(total > limit for limit in limits)):
-        return 0
-    bucket = min(requested or get_settings().bucket_bytes, cap)
-    if bucket < MIN_BUCKET:
-        raise CapacityError(
-            f"a payload of {describe(total)} ({total} bytes) must stream in buckets through "
-            f"shared memory, and RLCOMM_SHM_POOL_BYTES={POOL_BYTES} leaves buckets of "
-            f"{bucket} bytes, under the {MIN_BUCKET} a bucket takes at least: set "
-            f"RLCOMM_SHM_POOL_BYTES to {4 * MIN_BUCKET} or more (256 MiB or more streams "
-            "at full speed)")
-    return max(MIN_BUCKET, bucket)
 
 
 def expand_groups(groups: GroupsSpec) -> list[WorkerAddress]:

@@ -15,7 +15,7 @@ Where a piece belongs is :class:`Landing`'s business: the receiver's own tensors
 (:class:`~rlcomm.comm.bucket_iter.BucketIterator`); of each tensor, the receiver may take
 a slice and a dtype (:class:`Shard`), and then only the bytes of that slice are read.
 
-Pure: no I/O, no threads.
+Pure: no I/O, no threads (:func:`stream_bucket` reads the settings).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from typing import NamedTuple
 import torch
 
 from rlcomm.comm.codec import DictNode, Kind, MessageHeader, TensorMeta, dtype_of
-from rlcomm.errors import CodecError
+from rlcomm.comm.transports.shm_memory import POOL_BYTES
+from rlcomm.errors import CapacityError, CodecError
+from rlcomm.settings import get_settings
 
 #: Alignment of each piece in a bucket (a cache line; any dtype's element size divides it).
 ALIGN = 64
@@ -112,6 +114,32 @@ def plan(metas: Sequence[TensorMeta], bucket: int) -> Iterator[Bucket]:
                 index, pieces, used = index + 1, [], 0
     if pieces:
         yield Bucket(index, tuple(pieces), used)
+
+
+def stream_bucket(total: int, requested: int | None, limits: Sequence[int] = (),
+                  strict: bool = True) -> int:
+    """The bucket size a CPU payload of ``total`` bytes streams in (0: it goes whole):
+    one that a quarter of the shared-memory pool cannot hold, one over a receiver's
+    limit (``limits``), or any when the caller asked for buckets (``requested``). Its
+    buckets are ``requested`` or ``RLCOMM_BUCKET_BYTES``, at most a quarter of the pool
+    (and never under :data:`MIN_BUCKET`).
+
+    Raises:
+        CapacityError: the pool is too small to stream through (``strict``: the path has
+            nothing else to go through; a connection has its ring).
+    """
+    cap = POOL_BYTES // 4
+    if not (requested or total > cap or any(total > limit for limit in limits)):
+        return 0
+    bucket = min(requested or get_settings().bucket_bytes, cap)
+    if bucket < MIN_BUCKET and strict:
+        raise CapacityError(
+            f"a payload of {describe(total)} ({total} bytes) must stream in buckets through "
+            f"shared memory, and RLCOMM_SHM_POOL_BYTES={POOL_BYTES} leaves buckets of "
+            f"{bucket} bytes, under the {MIN_BUCKET} a bucket takes at least: set "
+            f"RLCOMM_SHM_POOL_BYTES to {4 * MIN_BUCKET} or more (256 MiB or more streams "
+            "at full speed)")
+    return max(MIN_BUCKET, bucket)
 
 
 def bucket_count(metas: Sequence[TensorMeta], bucket: int) -> int:

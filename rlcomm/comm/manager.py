@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from rlcomm.comm import codec, status
 from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
+from rlcomm.comm.buckets import MIN_BUCKET, stream_bucket
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.flight import RECORDER
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 # The flight recorder's methods, bound once: they run for every message.
 _begin = RECORDER.begin
 _end = RECORDER.end
+
+#: Payloads at most this large never stream, whatever the pool (what a send checks first).
+_STREAM_FLOOR = MIN_BUCKET
 
 _encode_fields = msgspec.msgpack.Encoder().encode
 _decode_fields = msgspec.msgpack.Decoder(dict | None).decode
@@ -185,8 +189,13 @@ class CommManager:
     def send(
         self, obj: Any, dst: WorkerAddress, async_op: bool,
         options: CollectiveGroupOptions | None, piggyback: Any = None, raw: bool = False,
+        bucket_bytes: int | None = None,
     ) -> AsyncWork | None:
         header, tensors = codec.encode_raw(obj) if raw else codec.encode(obj, piggyback)
+        if not raw and tensors and not tensors[0].is_cuda:
+            total = sum(t.nbytes for t in tensors)
+            if bucket_bytes or total > _STREAM_FLOOR:
+                header.stream = stream_bucket(total, bucket_bytes, strict=False)
         conn = self.connection(dst, options)
         timeout = op_timeout(options)
         order = _device_order(tensors, async_op) if tensors and tensors[0].is_cuda else None
@@ -219,7 +228,7 @@ class CommManager:
 
     def recv(
         self, src: WorkerAddress, async_op: bool, options: CollectiveGroupOptions | None,
-        tensor: torch.Tensor | None = None, into: Any = None,
+        tensor: torch.Tensor | None = None, into: Any = None, shards: Any = None,
     ) -> Any:
         """Receive the next message from ``src``: an object, its tensors copied ``into``
         existing ones, or (``tensor``) a ``send_tensor`` message in place."""
@@ -237,7 +246,7 @@ class CommManager:
         if async_op:
             what = f"{op} at {self.address} from {src}"
             task = run = functools.partial(
-                self._receive, conn, ticket, options, timeout, key, device, tensor, into)
+                self._receive, conn, ticket, options, timeout, key, device, tensor, into, shards)
             if stream is not None:  # the received tensors are ordered on the caller's stream
                 task = functools.partial(_on_stream, stream, run)
             try:
@@ -250,14 +259,15 @@ class CommManager:
             return AsyncWork(fut, what, timeout, explain=lambda exc, waited:
                              self.explain(exc, op, src, key, timeout if waited is None else waited))
         try:
-            return self._receive(conn, ticket, options, timeout, key, device, tensor, into)
+            return self._receive(conn, ticket, options, timeout, key, device, tensor, into,
+                                 shards)
         except CommError as exc:
             raise self.explain(exc, op, src, key, timeout)  # noqa: B904 - the same error
 
     def _receive(
         self, conn: Connection, ticket: int, options: CollectiveGroupOptions | None,
         timeout: float, key: int, device: torch.device | None, tensor: torch.Tensor | None,
-        into: Any,
+        into: Any, shards: Any = None,
     ) -> Any:
         """Receive op ``key`` on ``conn`` (see :meth:`recv`), on the caller's thread or
         the connection's consumer thread."""
@@ -267,7 +277,7 @@ class CommManager:
             if tensor is not None:
                 result = conn.recv_tensor_into(ticket, tensor, timeout)
             else:
-                result = conn.recv_object(ticket, timeout, device, into)
+                result = conn.recv_object(ticket, timeout, device, into, shards)
         except BaseException as exc:
             conn.release_ticket(ticket)  # unless served: every early exit gives it up
             _end(key, exc)

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlcomm.cluster import RLCOMM_NAMESPACE, Cluster
 from rlcomm.comm.identity import actor_name, check_group_name, registry
 from rlcomm.placement import Placement, PlacementStrategy
-from rlcomm.settings import get_settings, live_changes
+from rlcomm.settings import ENV_PREFIX, GROUP_NAME_ENV, get_settings, live_changes
 from rlcomm.worker.actor import WorkerContext, find_free_port, free_port_on_node, make_actor_class
 from rlcomm.worker.configure import driver_env, resolve_worker_options
 from rlcomm.worker.result import GroupResult
@@ -135,6 +135,7 @@ def start_actors(
                 where=actor_name(name, p.rank),
             )
             env = resolved.env
+            actor_options = _born_with_settings(resolved.actor_options, env)
             ctx = WorkerContext(
                 group_name=name,
                 rank=p.rank,
@@ -145,7 +146,7 @@ def start_actors(
                 settings=live_changes(),
             )
             actors.append(
-                actor_cls.options(**resolved.actor_options).remote(
+                actor_cls.options(**actor_options).remote(
                     ctx, *args, **resolved.init_kwargs
                 )
             )
@@ -167,3 +168,15 @@ def start_actors(
         raise
     return StartedActors(actors, (master.ip, master_port))
 
+
+def _born_with_settings(actor_options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """``actor_options`` whose ``runtime_env`` sets the ``RLCOMM_*`` variables of ``env``:
+    settings read once, when rlcomm is imported (the shared-memory pool, say), then hold
+    in the worker too, since its process starts with them."""
+    settings_env = {k: v for k, v in env.items()
+                    if k.startswith(ENV_PREFIX) and k != GROUP_NAME_ENV}
+    if not settings_env:
+        return actor_options
+    runtime_env = dict(actor_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **settings_env}
+    return {**actor_options, "runtime_env": runtime_env}

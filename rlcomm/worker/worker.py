@@ -215,6 +215,8 @@ class Worker:
         async_op: bool = False,
         options: CollectiveGroupOptions | None = None,
         piggyback_payload: Any = None,
+        *,
+        bucket_bytes: int | None = None,
     ) -> AsyncWork | None:
         """Send an object to the worker ``(dst_group_name, dst_rank)``.
 
@@ -239,6 +241,14 @@ class Worker:
         that both send lent payloads to each other before receiving still both go on,
         each taking in the other's payload while it waits.
 
+        **Any size.** A CPU payload larger than a quarter of ``RLCOMM_SHM_POOL_BYTES``
+        (1 GiB by default), or any when ``bucket_bytes`` is given, *streams*: its frame
+        goes first, then buckets of ``bucket_bytes`` (``RLCOMM_BUCKET_BYTES``, 64 MiB, at
+        most a quarter of the pool), each through one reused shared-memory segment on
+        one node (the receiver copies a bucket out while the next one is written), or
+        over Gloo. Such a send returns once the receiver took its last bucket, and its
+        timeout bounds each bucket. The receiver takes it as :meth:`recv` says.
+
         Args:
             object: what to send. Do not mix CPU and CUDA tensors in one container.
             dst_group_name: the destination worker group.
@@ -259,8 +269,10 @@ class Worker:
             CodecError: the object cannot be encoded.
             CommTimeoutError, PeerLostError, OptionsMismatchError: the send failed.
         """
+        _check_bucket_bytes(bucket_bytes)
         dst = WorkerAddress.of(dst_group_name, dst_rank)
-        return self._comm.send(object, dst, async_op, options, piggyback_payload)
+        return self._comm.send(object, dst, async_op, options, piggyback_payload,
+                               bucket_bytes=bucket_bytes)
 
     def recv(
         self,
@@ -269,6 +281,8 @@ class Worker:
         async_op: bool = False,
         options: CollectiveGroupOptions | None = None,
         into: Any = None,
+        *,
+        shards: Shards | None = None,
     ) -> Any:
         """Receive the next object the worker ``(src_group_name, src_rank)`` sent.
 
@@ -282,6 +296,16 @@ class Worker:
         each with the sent dtype and shape. A weight sync is then one copy per receiver:
         between workers on one GPU, the CUDA payload is copied straight from the sender's
         memory into these tensors. (An extension of RLinf's ``recv``.)
+        ``into=rlcomm.Buckets()`` returns an iterator of ``(name, tensor)`` instead, which
+        yields each tensor as soon as it is whole, while the rest of a streamed message is
+        on its way (see :class:`~rlcomm.Buckets`); ``shards`` takes a slice (and a dtype)
+        of each tensor, by name (see :class:`~rlcomm.Shard`).
+
+        A message that streams (see :meth:`send`) is taken bucket by bucket: into
+        ``into``'s tensors whatever its size, as an iterator, or into new tensors up to
+        ``RLCOMM_MAX_MESSAGE_BYTES``. One this receive cannot take (``into`` does not
+        fit, over the limit) closes the connection, so that its sender fails at once
+        rather than wait.
 
         CUDA payloads are ordered on this thread's current stream: work queued on it
         after ``recv`` returns sees the received values.
@@ -295,7 +319,7 @@ class Worker:
             PeerLostError: the peer died; messages it sent before are still delivered.
         """
         src = WorkerAddress.of(src_group_name, src_rank)
-        return self._comm.recv(src, async_op, options, into=into)
+        return self._comm.recv(src, async_op, options, into=into, shards=shards)
 
     def send_tensor(
         self,

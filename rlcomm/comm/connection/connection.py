@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
+from rlcomm.comm.bucket_iter import Buckets
+from rlcomm.comm.buckets import Shards, plan
 from rlcomm.comm.codec import Kind, MessageHeader
 from rlcomm.comm.connection.incoming import P_IN_STREAM, P_INLINE, P_READ, Incoming
 from rlcomm.comm.connection.listening import Listener
@@ -33,6 +35,7 @@ from rlcomm.comm.connection.reader import Reader
 from rlcomm.comm.connection.receiver import start_receiver_thread
 from rlcomm.comm.connection.sender import DeviceOrder, Sender
 from rlcomm.comm.store import sub_store
+from rlcomm.comm.taking import Receipt, Taking
 from rlcomm.comm.transports import gpus, registry
 from rlcomm.comm.transports.base import OneSidedTransport, Transport
 from rlcomm.comm.transports.registry import PairFacts, TransportSetup
@@ -247,22 +250,36 @@ class Connection:
         return self._consumer.submit(fn)
 
     def recv_object(
-        self, ticket: int, timeout: float, device: torch.device | None, into: Any = None
+        self, ticket: int, timeout: float, device: torch.device | None, into: Any = None,
+        shards: Shards | None = None,
     ) -> Any:
         """Serve receive ``ticket``: the next object (see ``Worker.recv``), or, with
         ``into``, its tensors copied into ``into``'s (see :func:`codec.destinations`),
-        which is returned (with the piggyback, if any)."""
+        which is returned (with the piggyback, if any); ``into=Buckets()``: an iterator;
+        ``shards``: what is taken of each tensor (:class:`~rlcomm.comm.taking.Taking`)."""
         targets: list[torch.Tensor] | None = None
+        # What it takes, when it is not the message as it came (made only then: this is
+        # every receive's path).
+        taking = None if shards is None and not isinstance(into, Buckets) else self._taking(
+            into, shards, timeout)
+        receipt: Receipt | None = None
+        refused: ProtocolMismatchError | None = None
 
         def handle(msg: Incoming) -> tuple[bool, Any]:
-            nonlocal targets
+            nonlocal targets, receipt, refused
             if msg.header.kind == Kind.RAW:
                 raise ProtocolMismatchError(
                     f"recv from {self.peer}: the peer sent this message with send_tensor(); "
                     "receive it with recv_tensor() (do not mix send/recv with "
                     "send_tensor/recv_tensor)"
                 )
-            if into is not None:
+            if msg.header.stream:
+                try:
+                    receipt = (taking or self._taking(into, shards, timeout)).stream(msg.header)
+                except ProtocolMismatchError as exc:
+                    refused = exc
+                    raise
+            elif into is not None and taking is None:
                 try:
                     targets = codec.destinations(msg.header, into)
                 except CodecError as exc:
@@ -272,8 +289,17 @@ class Connection:
                     ) from exc
             return True, msg
 
-        msg = self.reader.receive(ticket, timeout, handle, "recv")
+        try:
+            msg = self.reader.receive(ticket, timeout, handle, "recv")
+        except ProtocolMismatchError as exc:
+            if refused is exc:  # its sender streams the rest: nothing here takes it
+                self.fail(exc)
+            raise
+        if receipt is not None:
+            return self._receive_stream(msg, receipt, timeout)
         payload = msg.payload
+        if taking is not None:
+            return taking.whole(msg.header, self._payload(msg, None, device, timeout, "recv"))
         if targets is None and (payload is P_INLINE or payload is P_READ):
             tensors = msg.tensors  # the common case, made already: no lookups
         else:
@@ -283,6 +309,51 @@ class Connection:
         if msg.header.piggyback is not None:
             return into, codec.decode(msg.header, tensors)[1]
         return into
+
+    def _taking(self, into: Any, shards: Shards | None, timeout: float) -> Taking:
+        return Taking(into, shards, f"recv from {self.peer}", self.peer, timeout, "recv")
+
+    def _receive_stream(self, msg: Incoming, receipt: Receipt, timeout: float) -> Any:
+        """Read the buckets of a streamed message (taken by this receive op) as the
+        stalled stream's claimant: on this thread, or, for an iterator, on a thread of
+        its own (whose iterator is returned at once). A failure of this receive's own
+        (a piece that does not fit, an iterator's caller who took nothing in time)
+        reads the rest without keeping it, so the stream stays in step."""
+
+        def read(transport: Transport) -> Any:
+            failure: BaseException | None = None
+            for bucket in plan(msg.header.tensors, msg.header.stream):
+                direct = None if failure is not None else receipt.direct(bucket)
+                try:
+                    views = transport.recv_bucket(bucket.sizes, timeout, direct)
+                except CommError as exc:
+                    self.fail(exc)
+                    raise
+                if failure is None:
+                    try:
+                        if views is None:
+                            receipt.landed(bucket)
+                        else:
+                            receipt.land(bucket, views)
+                    except (CodecError, CommError) as exc:
+                        failure = exc
+                del views
+            if failure is not None:
+                raise failure
+            return receipt.result()
+
+        def produce() -> Any:
+            try:
+                return self.reader.read_deferred(msg, read, timeout, "recv")
+            except BaseException as exc:
+                receipt.fail(exc)
+                raise
+
+        if receipt.iterator is None:
+            return produce()
+        threading.Thread(target=_quietly, args=(produce,), daemon=True,
+                         name=f"rlcomm-stream-{self.peer}").start()
+        return receipt.iterator
 
     def _payload(
         self, msg: Incoming, targets: list[torch.Tensor] | None, device: torch.device | None,
@@ -351,3 +422,11 @@ class Connection:
         """Read and dispatch messages on this thread until ``fut`` is done (True) or
         ``timeout`` seconds passed (False); see :meth:`.Reader.pump`."""
         return self.reader.pump(fut, timeout, hand_back)
+
+
+def _quietly(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on a thread whose failure reaches its caller another way."""
+    try:
+        fn()
+    except BaseException:  # noqa: BLE001 - handed to the iterator's caller
+        logger.debug("a streamed receive ended with an error", exc_info=True)

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from rlcomm.comm import framing
+from rlcomm.comm import codec, framing
+from rlcomm.comm.buckets import plan
 from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.transports.base import OneSidedTransport, Transport
 from rlcomm.errors import CommError, CommTimeoutError, ProtocolMismatchError
@@ -157,7 +158,7 @@ class Sender:
             self._send_device(transport, frame, payload, timeout, order)
             return
         try:
-            transport.send_frame(frame, payload, timeout)
+            transport.send_frame(frame, [] if header.stream else payload, timeout)
         except CommTimeoutError as exc:
             if not transport.broken:
                 raise self._not_taken(timeout) from exc
@@ -165,6 +166,23 @@ class Sender:
         except CommError as exc:
             self._fail(exc)
             raise
+        if header.stream:
+            self._send_buckets(transport, header, tensors, timeout)
+
+    def _send_buckets(
+        self, transport: Transport, header: MessageHeader, tensors: list[torch.Tensor],
+        timeout: float,
+    ) -> None:
+        """The buckets of a message that streams, after its frame (each within
+        ``timeout``: the receiver reads one while the next is written)."""
+        views = [codec.as_bytes(t) for t in tensors]
+        try:
+            for bucket in plan(header.tensors, header.stream):
+                transport.send_bucket(
+                    [views[p.tensor][p.start : p.end] for p in bucket.pieces], timeout)
+        except CommError as exc:
+            transport.broken = True
+            self._part_way(exc)
 
     def _not_taken(self, timeout: float, why: str = "") -> CommTimeoutError:
         return CommTimeoutError(

@@ -203,6 +203,30 @@ class Transport(ABC):
         self.recv_into(tensors, timeout)
         return tensors
 
+    def send_bucket(self, pieces: Sequence[torch.Tensor], timeout: float) -> None:
+        """Send one bucket of a message that streams in buckets (after its frame): the
+        uint8 ``pieces``, in order. The peer takes it with :meth:`recv_bucket`.
+
+        The default sends the pieces as they are; a transport with staging of its own
+        (shared memory) copies the bucket into one buffer of it, which the peer reads
+        and gives back before the bucket after next can use it.
+        """
+        self.send(pieces, timeout)
+
+    def recv_bucket(
+        self, sizes: Sequence[int], timeout: float | None,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor] | None:
+        """Receive one bucket sent with :meth:`send_bucket`, its pieces of ``sizes``
+        bytes: straight into ``into`` (one contiguous uint8 tensor per piece) when the
+        caller gives them and the transport can (it returns None then), else as uint8
+        tensors the caller copies out and drops (the staging goes back when they are
+        freed)."""
+        if into is not None:
+            self.recv_into(into, timeout)
+            return None
+        return self.recv_new(sizes, timeout)
+
     def poll(self, timeout: float | None, wake_fd: int | None = None) -> bool:
         """Wait until a frame can be received at once, consuming nothing of it.
 

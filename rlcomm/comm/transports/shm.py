@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from rlcomm.comm.transports import bulk_copy, pool, registry, shm_handover, shm_relay
 from rlcomm.comm.transports.base import Transport
+from rlcomm.comm.transports.shm_fanout import payload_offsets
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
     HEAD,
@@ -59,7 +60,15 @@ from rlcomm.comm.transports.shm_memory import (
     release_segment,
 )
 from rlcomm.comm.transports.shm_peer import PeerSegments
-from rlcomm.comm.transports.shm_ring import FRAME, HANDED_RECORD, RECORD, SEGMENT, RingWriter
+from rlcomm.comm.transports.shm_ring import (
+    BUCKET,
+    FRAME,
+    HANDED_RECORD,
+    INLINE,
+    RECORD,
+    SEGMENT,
+    RingWriter,
+)
 from rlcomm.comm.transports.shm_signals import HANDED, SignalSockets
 from rlcomm.comm.transports.shm_wait import ShmWaiter, Spin, wait_for_data
 from rlcomm.errors import CommTimeoutError, PeerLostError
@@ -174,6 +183,16 @@ class ShmTransport(Transport):
         try:
             self._writer.write(record, deadline)
             self._writer.send_payload(payload, deadline, segments, handed)
+        except BaseException:
+            self.broken = True
+            raise
+        self._writer.wake_reader()
+
+    def send_bucket(self, pieces: Sequence[torch.Tensor], timeout: float) -> None:
+        self._check_usable()
+        deadline = time.monotonic() + timeout
+        try:
+            self._writer.send_bucket(pieces, deadline)
         except BaseException:
             self.broken = True
             raise
@@ -365,6 +384,38 @@ class ShmTransport(Transport):
                     self._read(t, n, deadline)
                 out.append(t)
         return out
+
+    def recv_bucket(
+        self, sizes: Sequence[int], timeout: float | None,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor] | None:
+        """A bucket as views of the sender's segment (it goes back when they are freed);
+        one that came through the ring is read into ``into`` (returns None) or new
+        buffers."""
+        if self._closed:
+            raise self._lost("shm recv")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        kind, seg_id, n = self._next_record(deadline)
+        if kind == BUCKET:
+            offsets, span = payload_offsets(0, sizes)
+            self._check_size(span, n)
+            seg = self._peer_segment(seg_id, n, deadline)
+            arr = np.frombuffer(seg.mm, dtype=np.uint8, count=n)
+            weakref.finalize(arr, release_segment, self._in.states, seg_id % MAX_SEGMENTS)
+            whole = torch.from_numpy(arr)
+            return [whole[off : off + size] for off, size in zip(offsets, sizes)]
+        out = []
+        for k, size in enumerate(sizes):
+            if k:
+                kind, _, n = self._next_record(deadline)
+            if kind != INLINE:
+                raise PeerLostError(
+                    f"shm stream with {self._peer} is out of step: expected a bucket")
+            self._check_size(size, n)
+            buf = into[k] if into is not None else pool.take(n)
+            self._read(buf, n, deadline)
+            out.append(buf)
+        return None if into is not None else out
 
     def _map_handed(self, n: int, deadline: float | None) -> torch.Tensor:
         """A copy-on-write view of the next handed-over block, whose record said ``n``

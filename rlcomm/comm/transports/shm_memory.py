@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rlcomm.errors import AuthenticationError
+from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
 #: Bytes of each direction's ring (payloads below the segment threshold, descriptors).
@@ -47,6 +47,9 @@ PACE_SECONDS = 0.006
 PACE_OFF_SECONDS = 0.05
 #: How often a paced take looks whether a segment came back (seconds).
 PACE_POLL_SECONDS = 50e-6
+#: Segments a stream of buckets goes through, at most (while the receiver copies one
+#: out, the sender fills the other).
+STREAM_SEGMENTS = 2
 #: The seals of a memfd another process maps: it can neither shrink nor grow.
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 
@@ -177,9 +180,10 @@ class SegmentPool:
         finally:
             self.pacing = False
 
-    def take(self, nbytes: int, deadline: float) -> Segment | None:
+    def take(self, nbytes: int, deadline: float, grow: bool = True) -> Segment | None:
         """A free segment for ``nbytes``, now marked in flight; None if there is none and
-        the pool may not grow (the payload then streams through the ring)."""
+        the pool may not grow (the payload then streams through the ring). ``grow``:
+        the pool may grow for it."""
         states = self._states
         size = max(1 << 20, 1 << (nbytes - 1).bit_length())  # sizes are powers of 2
         best = None
@@ -199,11 +203,39 @@ class SegmentPool:
                 ):
                     best = seg
         if best is None:
-            best = self._grow(size, deadline)
+            best = self._grow(size, deadline) if grow else None
             if best is None:
                 return None
         states[best.id] = 1
         return best
+
+    def take_waiting(self, nbytes: int, deadline: float, gone: Callable[[], bool]) -> Segment | None:
+        """A segment for ``nbytes`` as :meth:`take` gives one (the pool grows only while
+        fewer than :data:`STREAM_SEGMENTS` could hold it), else the first of those that
+        comes back (a stream of buckets reuses its segments at the receiver's pace).
+        None when no segment can ever hold it (the pool is too small, or full of
+        smaller ones).
+
+        Raises:
+            CommTimeoutError: none came back by ``deadline``.
+            PeerLostError: ``gone()`` says the receiver is gone.
+        """
+        wait = PACE_POLL_SECONDS
+        while True:
+            fitting = sum(1 for s in self.segments if s.size >= nbytes)
+            seg = self.take(nbytes, deadline, grow=fitting < STREAM_SEGMENTS)
+            if seg is not None:
+                return seg
+            if not fitting:
+                return None
+            if gone():
+                raise PeerLostError("shm send: the receiver is gone")
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    "shm send: the receiver gave no segment back in time (it is not "
+                    "reading)")
+            time.sleep(wait)
+            wait = min(wait * 2, 0.001)
 
     def _grow(self, size: int, deadline: float) -> Segment | None:
         in_use = int(np.count_nonzero(self._states[: len(self.segments)]))

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from rlcomm.comm.transports import bulk_copy, shm_handover, shm_relay
+from rlcomm.comm.transports.shm_fanout import payload_offsets
 from rlcomm.comm.transports.shm_memory import (
     CTRL_BYTES,
     HEAD,
@@ -29,6 +30,9 @@ from rlcomm.errors import CommTimeoutError
 #: A ring record's head: kind, segment id, nbytes.
 RECORD = struct.Struct("<IIQ")
 INLINE, SEGMENT, FRAME, HANDED_RECORD = 1, 2, 3, 4
+#: One bucket of a streamed message, its pieces laid out in one segment (the record's
+#: size is the bucket's span, :func:`~.shm_fanout.payload_offsets`).
+BUCKET = 5
 #: Where a payload tensor's memory is handed over: ``(fd, offset, nbytes)`` of a block of
 #: :mod:`.shm_handover`, a peer's segment this process relays (:mod:`.shm_relay`), or None.
 HandedOver = tuple[int, int, int] | shm_relay.Mapped | None
@@ -210,3 +214,19 @@ class RingWriter:
                 if n:
                     self.write(t.numpy().tobytes() if n <= 4096 else t, deadline)
 
+    def send_bucket(self, pieces: Sequence[torch.Tensor], deadline: float) -> None:
+        """One bucket of a streamed message: its pieces copied into one segment (waiting
+        for one to come back while the receiver reads the buckets before), then one
+        :data:`BUCKET` record. A bucket no segment can hold goes through the ring, a
+        record per piece."""
+        sizes = [t.numel() for t in pieces]
+        offsets, span = payload_offsets(0, sizes)
+        seg = self._pool.take_waiting(span, deadline, self._signals.peer_gone)
+        if seg is None:
+            for t in pieces:
+                self.write(RECORD.pack(INLINE, 0, t.numel()), deadline)
+                self.write(t, deadline)
+            return
+        for off, t in zip(offsets, pieces):
+            bulk_copy.copy(seg.tensor[off : off + t.numel()], t)
+        self.write(RECORD.pack(BUCKET, seg.id, span), deadline)
