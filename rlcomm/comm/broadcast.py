@@ -60,7 +60,14 @@ from rlcomm.comm.broadcast_chain import (
 )
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
-from rlcomm.comm.broadcast_stream import STREAM_NOTE, LocalStream, parse_note, reason_of
+from rlcomm.comm.broadcast_stream import (
+    OVER_LIMIT,
+    STREAM_NOTE,
+    LocalStream,
+    parse_note,
+    reason_of,
+    verdict_of,
+)
 from rlcomm.comm.buckets import Bucket, Shards, header_bucket, plan, stream_bucket
 from rlcomm.comm.connection.incoming import Payload, classify
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
@@ -68,8 +75,9 @@ from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.taking import Taking
 from rlcomm.comm.transports import pool, registry
-from rlcomm.comm.transports.shm_fanout import FanoutSource
+from rlcomm.comm.transports.shm_fanout import TAKES, FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
+from rlcomm.comm.transports.shm_memory import check_memory
 from rlcomm.errors import (
     CapacityError,
     CodecError,
@@ -174,6 +182,12 @@ class BroadcastGroup:
         #: chain run of its latest broadcast along a chain: for :meth:`progress`.
         self.phase = "idle"
         self._run: ChainRun | None = None
+        #: Buckets of streamed broadcasts this member handed on (to its node-mates) and
+        #: took in, and the bytes it took in of broadcasts (what the transports moved to
+        #: it: of a sharded tensor, its slice): for :meth:`stats`.
+        self.buckets_out = 0
+        self.buckets_in = 0
+        self.bytes_in = 0
 
     @staticmethod
     def _shared_copy() -> bool:
@@ -212,6 +226,13 @@ class BroadcastGroup:
         if run is not None:
             out.update(received=run.received, forwarded=run.forwarded, total=run.total)
         return out
+
+    def stats(self) -> dict[str, Any]:
+        """This member's counters (any thread may ask): its members, phase, buckets out
+        and in, bytes in, and the shared memory it holds as a source."""
+        return {"members": [str(m) for m in self.members], "phase": self.phase,
+                "buckets_out": self.buckets_out, "buckets_in": self.buckets_in,
+                "bytes_in": self.bytes_in, "pool_bytes": self.pool_bytes}
 
     @property
     def pool_bytes(self) -> int:
@@ -514,6 +535,7 @@ class BroadcastGroup:
         stream.open(frame)
         for bucket in plan(header.tensors, header.stream):
             stream.send(bucket, self._pieces(bucket, views), header.stream)
+            self.buckets_out += 1
         for member in stream.takers:
             stream.failures.pop(member, None)
         return stream.failures
@@ -528,7 +550,8 @@ class BroadcastGroup:
         at once, rather than wait for their deadline)."""
         if local:
             try:
-                self._stream_to(local, min(timeout, 1.0)).abort(self.index, REFUSED, str(exc))
+                self._stream_to(local, min(timeout, 1.0)).abort(self.index, reason_of(exc),
+                                                                str(exc))
             except CommError:  # they time out instead
                 pass
         if relays:
@@ -597,7 +620,7 @@ class BroadcastGroup:
         if mates:
             stream = self._stream_to(mates, timeout)
             if refusal is not None:
-                stream.abort(self.index, REFUSED, str(refusal))
+                stream.abort(self.index, reason_of(refusal), str(refusal))
             else:
                 try:
                     stream.open(frame)
@@ -642,6 +665,8 @@ class BroadcastGroup:
                     raise error
                 for member, reason in outcome.failures.items():
                     failures.setdefault(member, self._chain_failure(member, reason, "it", False))
+                self.buckets_in += 1
+                self.bytes_in += bucket.nbytes
                 if direct is not None:
                     receipt.landed(bucket)  # type: ignore[union-attr]
                 else:
@@ -742,7 +767,10 @@ class BroadcastGroup:
                 device = torch.device("cuda", torch.cuda.current_device())
                 tensors = [t.to(device) for t in tensors]
         if not taking.plain:
-            return taking.whole(header, tensors)
+            result = taking.whole(header, tensors)
+            self.bytes_in += taking.bytes_read
+            return result
+        self.bytes_in += sum(m.nbytes for m in header.tensors)
         if targets is None:
             return codec.decode(header, tensors)
         if tensors is not targets:
@@ -763,16 +791,16 @@ class BroadcastGroup:
             header_bucket(header)
             receipt = taking.stream(header)
         except (CodecError, ProtocolMismatchError) as exc:
-            sink.verdict(seq, False, str(exc))
+            sink.verdict(seq, verdict_of(exc), str(exc))
             if isinstance(exc, CodecError):
                 raise ProtocolMismatchError(f"{taking.what}: {exc}", peer=self.members[src],
                                             op="broadcast") from exc
             raise
-        sink.verdict(seq, True)
+        sink.verdict(seq, TAKES)
         if receipt.iterator is not None and opened is not None:
             opened(receipt.iterator)
         failure: BaseException | None = None
-        read_before = receipt.landing.bytes_read
+        read_before = 0
         try:
             for bucket in plan(header.tensors, header.stream):
                 msg = self._next_message(sink, src, time.monotonic() + taking.timeout,
@@ -780,6 +808,7 @@ class BroadcastGroup:
                 if msg.frame:  # a stream note: it ends here
                     _, _, offer = framing.unpack(msg.frame)
                     raise self._stream_note_error(src, origin, offer)
+                self.buckets_in += 1
                 if failure is not None:
                     continue  # draining: the views are dropped unread
                 try:
@@ -787,12 +816,12 @@ class BroadcastGroup:
                 except (CodecError, CommError, PeerLostError) as exc:
                     failure = exc
                 del msg
+                self.bytes_in += receipt.landing.bytes_read - read_before
+                read_before = receipt.landing.bytes_read
         except BaseException as exc:
             receipt.fail(exc)
             traceback.clear_frames(exc.__traceback__)  # no view of a slot stays held
             raise
-        finally:
-            sink.bytes_read += receipt.landing.bytes_read - read_before
         if failure is not None:
             receipt.fail(failure)
             raise failure
@@ -808,8 +837,8 @@ class BroadcastGroup:
         culprit, reason, text = note
         where = f"broadcast at {self.members[self.index]} from {self.members[origin]}"
         blame = self.members[culprit] if culprit < len(self.members) else self.members[src]
-        if reason == REFUSED:
-            kind: type[CommError] = (CapacityError if "RLCOMM_" in text
+        if reason in (REFUSED, OVER_LIMIT):
+            kind: type[CommError] = (CapacityError if reason == OVER_LIMIT
                                      else ProtocolMismatchError)
             return kind(f"{where}: nothing was sent: {blame} refused it: {text}",
                         peer=blame, op="broadcast")
@@ -857,6 +886,7 @@ class BroadcastGroup:
     def _sink(self, src: int, deadline: float) -> FanoutSink:
         sink = self._sinks.get(src)
         if sink is None:
+            check_memory()  # as the source does: fail with it rather than wait for it
             store = self._group_store()
             key = f"fanout/{src}"
             store.wait([key], datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
@@ -891,7 +921,8 @@ class BroadcastGroup:
         header, inline, _ = framing.unpack(frame)
         if route == NOTED:
             if mates:  # the source refused to send: so do this relay's node-mates
-                self._stream_to(mates, timeout).abort(src, REFUSED, frame.decode(errors="replace"))
+                self._stream_to(mates, timeout).abort(src, OVER_LIMIT,
+                                                      frame.decode(errors="replace"))
             raise CapacityError(f"broadcast at {self.members[self.index]} from "
                                 f"{self.members[src]}: nothing was sent: {frame.decode(errors='replace')}",
                                 peer=self.members[src], op="broadcast")

@@ -11,8 +11,8 @@ empty. A failure part-way (a receiver that stops reading, the source's own) send
 others a stream note too.
 
 A stream note is a frame: an empty message's header, then :data:`STREAM_NOTE`, the
-member to blame, the reason (:data:`~rlcomm.comm.broadcast_chain.REASONS`) and a few
-words of text.
+member to blame, the reason (:data:`~rlcomm.comm.broadcast_chain.REASONS`, or
+:data:`OVER_LIMIT`) and a few words of text.
 """
 
 from __future__ import annotations
@@ -26,8 +26,15 @@ import torch
 from rlcomm.comm import codec, framing
 from rlcomm.comm.broadcast_chain import LOST, REFUSED, TIMEOUT
 from rlcomm.comm.buckets import Bucket
-from rlcomm.comm.transports.shm_fanout import FanoutSource
-from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
+from rlcomm.comm.transports.shm_fanout import OVER_LIMIT as LIMIT_VERDICT
+from rlcomm.comm.transports.shm_fanout import TAKES, FanoutSource
+from rlcomm.errors import (
+    CapacityError,
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+    ProtocolMismatchError,
+)
 
 #: The opening of a stream note's offer part (a :data:`NOTE` and UTF-8 text follow).
 STREAM_NOTE = b"\x00rlcomm-stream-note:"
@@ -35,6 +42,8 @@ NOTE = struct.Struct("<IB")
 MAX_NOTE_TEXT = 1024
 #: The culprit of a note that blames no member (the sender's own failure).
 NOBODY = 0xFFFFFFFF
+#: A note's reason beside the chain's: a member refused it over a limit it has.
+OVER_LIMIT = 4
 
 
 def note_frame(culprit: int, reason: int, text: str) -> bytes:
@@ -49,7 +58,8 @@ def parse_note(offer: bytes, members: int) -> tuple[int, int, str] | None:
     if len(body) < NOTE.size or len(body) > NOTE.size + MAX_NOTE_TEXT:
         return None
     culprit, reason = NOTE.unpack_from(body)
-    if (culprit >= members and culprit != NOBODY) or reason not in (LOST, TIMEOUT, REFUSED):
+    if (culprit >= members and culprit != NOBODY) or reason not in (
+            LOST, TIMEOUT, REFUSED, OVER_LIMIT):
         return None
     return culprit, reason, body[NOTE.size:].decode("utf-8", "replace")
 
@@ -86,7 +96,7 @@ class LocalStream:
         deadline = time.monotonic() + self._timeout
         self._fail(self._source.publish(seq, frame, [], deadline, only=self.takers))
         verdicts = self._source.verdicts(seq, self.takers, deadline)
-        refused: dict[int, str] = {}
+        refused: dict[int, tuple[int, str]] = {}
         for member, verdict in verdicts.items():
             if verdict is None:
                 gone = member in self._source.missing()
@@ -94,14 +104,18 @@ class LocalStream:
                     f"{self._label}: {self._name(member)} "
                     f"{'is gone' if gone else 'did not answer within the timeout'}",
                     peer=self._name(member), op="broadcast")})
-            elif not verdict[0]:
-                refused[member] = verdict[1]
+            elif verdict[0] != TAKES:
+                refused[member] = verdict
         if refused:
             first = min(refused)
-            self.abort(first, REFUSED, refused[first])
-            raise ProtocolMismatchError(
-                f"{self._label}: " + "; ".join(
-                    f"{self._name(m)} refused it: {why}" for m, why in sorted(refused.items())),
+            over = any(v == LIMIT_VERDICT for v, _ in refused.values())
+            self.takers = [m for m in self.takers if m not in refused]  # they know
+            self.abort(first, OVER_LIMIT if refused[first][0] == LIMIT_VERDICT else REFUSED,
+                       refused[first][1])
+            raise (CapacityError if over else ProtocolMismatchError)(
+                f"{self._label}: nothing was sent: " + "; ".join(
+                    f"{self._name(m)} refused it: {why}"
+                    for m, (_, why) in sorted(refused.items())),
                 peer=self._name(first), op="broadcast")
 
     def send(self, bucket: Bucket, pieces: Sequence[torch.Tensor], bucket_bytes: int) -> None:
@@ -144,4 +158,12 @@ class LocalStream:
 def reason_of(exc: BaseException) -> int:
     if isinstance(exc, PeerLostError):
         return LOST
+    if isinstance(exc, CapacityError):
+        return OVER_LIMIT
     return TIMEOUT if isinstance(exc, CommTimeoutError) else REFUSED
+
+
+def verdict_of(exc: BaseException) -> int:
+    """The verdict a receiver that refuses with ``exc`` gives."""
+    from rlcomm.comm.transports.shm_fanout import REFUSES
+    return LIMIT_VERDICT if isinstance(exc, CapacityError) else REFUSES

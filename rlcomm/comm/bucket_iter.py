@@ -172,6 +172,12 @@ class BucketIterator:
         """How many buckets this iterator has taken so far."""
         return self._handoff.taken
 
+    @property
+    def buckets_handed(self) -> int:
+        """How many buckets its producer has handed over so far (at most one more than
+        it took: rlcomm holds that one, and the one being made)."""
+        return self._handoff.handed
+
     def __iter__(self) -> BucketIterator:
         return self
 

@@ -390,6 +390,7 @@ class CommManager:
             "address": str(self.address), "host": self.endpoint.host,
             "node_id": self.endpoint.node_id, "incarnation": self.endpoint.incarnation,
             "connections": conns, "broadcast_groups": len(self._bcast),
+            "broadcasts": [group.stats() for group in list(self._bcast.values())],
             "store": self._mailbox.store_stats(),
         }
 

@@ -56,6 +56,8 @@ class Taking:
         self.peer = peer
         self.timeout = timeout
         self.op = op
+        #: Bytes read out of what arrived (of a sharded tensor, its slice), once taken.
+        self.bytes_read = 0
 
     @property
     def iterates(self) -> bool:
@@ -133,12 +135,14 @@ class Taking:
         device = tensors[0].device if tensors else None
         if self.shards is None:  # an iterator over the tensors as they came
             pairs = list(zip(names_of(header), tensors, strict=True))
+            self.bytes_read = sum(t.numel() * t.element_size() for t in tensors)
             return self._iterator_of([pairs])
         landing = self.landing(header, device, limit_whole=not self.iterates)
         for i, t in enumerate(tensors):
             if t.numel():
                 landing.place(Piece(i, 0, t.numel() * t.element_size(), 0),
                               codec.as_bytes(t.contiguous()))
+        self.bytes_read = landing.bytes_read
         return self.finish(header, landing, [list(zip(landing.names, landing.tensors()))])
 
     def finish(self, header: MessageHeader, landing: Landing,

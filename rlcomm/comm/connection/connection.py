@@ -292,8 +292,9 @@ class Connection:
         try:
             msg = self.reader.receive(ticket, timeout, handle, "recv")
         except ProtocolMismatchError as exc:
-            if refused is exc:  # its sender streams the rest: nothing here takes it
-                self.fail(exc)
+            if refused is exc:  # its sender streams the rest, which nothing here takes:
+                self.fail(exc)  # closed, the sender sees it at once
+                self.close()
             raise
         if receipt is not None:
             return self._receive_stream(msg, receipt, timeout)

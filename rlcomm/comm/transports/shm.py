@@ -55,6 +55,7 @@ from rlcomm.comm.transports.shm_memory import (
     Ring,
     Segment,
     SegmentPool,
+    check_memory,
     map_fd,
     new_memfd,
     release_segment,
@@ -109,6 +110,7 @@ class ShmTransport(Transport):
     ):
         self._peer = peer
         self._closed = False
+        check_memory()
         deadline = time.monotonic() + timeout
         out_fd, out_mm = new_memfd("rlcomm-ring", CTRL_BYTES + RING_BYTES)
         self._out = Ring(out_mm)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from rlcomm.comm.transports import bulk_copy, shm_handover
-from rlcomm.comm.transports.shm_memory import POOL_BYTES, sealed_memfd
+from rlcomm.comm.transports.shm_memory import POOL_BYTES, check_memory, sealed_memfd
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
@@ -69,9 +69,11 @@ MAX_HANDED = 250
 MESSAGE = struct.Struct("<QIIQQ")  # seq, slot, fd follows, slot bytes, frame bytes
 #: What a receiver sends when it connects: its member index, the largest message it takes.
 JOIN = struct.Struct("<IQ")
-#: A receiver's answer to a message: its sequence number, whether it takes it; then, when
-#: it does not, why (UTF-8 text of at most :data:`MAX_REASON` bytes).
+#: A receiver's answer to a message: its sequence number, its verdict (:data:`TAKES`,
+#: :data:`REFUSES`, :data:`OVER_LIMIT`); then, when it does not take it, why (UTF-8 text
+#: of at most :data:`MAX_REASON` bytes).
 VERDICT = struct.Struct("<QB")
+REFUSES, TAKES, OVER_LIMIT = 0, 1, 2
 MAX_REASON = 2048
 #: Most slots one stream of buckets goes through (the receivers keep their mappings).
 STREAM_SLOTS = min(2, MAX_SLOTS)
@@ -163,7 +165,7 @@ class _Link:
         self.sent: set[int] = set()  # slots whose fd this receiver has
         self.alive = True
         self.limit = limit  # the largest message it said it takes
-        self.verdicts: dict[int, tuple[bool, str]] = {}  # by message, what it answered
+        self.verdicts: dict[int, tuple[int, str]] = {}  # by message, what it answered
 
     def check_alive(self) -> bool:
         """Whether the receiver is there: read what it wrote (verdicts); an end of
@@ -189,11 +191,11 @@ class _Link:
             if len(data) < VERDICT.size:  # b"": closed
                 self.kill()
                 return
-            seq, ok = VERDICT.unpack_from(data)
-            if ok not in (0, 1) or len(self.verdicts) > 64:
+            seq, verdict = VERDICT.unpack_from(data)
+            if verdict not in (REFUSES, TAKES, OVER_LIMIT) or len(self.verdicts) > 64:
                 self.kill()
                 return
-            self.verdicts[seq] = (bool(ok), data[VERDICT.size :].decode("utf-8", "replace"))
+            self.verdicts[seq] = (verdict, data[VERDICT.size :].decode("utf-8", "replace"))
 
     def kill(self) -> None:
         self.alive = False
@@ -210,6 +212,7 @@ class FanoutSource:
     """
 
     def __init__(self, receivers: dict[int, int], label: str):
+        check_memory()
         self._expected = dict(receivers)
         self._label = label
         self.name = f"\0rlcomm-bcast-{uuid.uuid4().hex}"
@@ -234,8 +237,8 @@ class FanoutSource:
 
     def verdicts(
         self, seq: int, members: Collection[int], deadline: float
-    ) -> dict[int, tuple[bool, str] | None]:
-        """What each of ``members`` answered to message ``seq`` (``(takes it, why not)``),
+    ) -> dict[int, tuple[int, str] | None]:
+        """What each of ``members`` answered to message ``seq`` (``(verdict, why not)``),
         waiting until all answered or ``deadline``; ``None`` for a member that did not
         answer (gone, or too late)."""
         links = {m: self._links[m] for m in members if m in self._links}

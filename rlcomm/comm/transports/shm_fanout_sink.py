@@ -39,7 +39,7 @@ from rlcomm.comm.transports.shm_fanout import (
     peer_credentials,
 )
 from rlcomm.comm.transports.shm_handover import map_received
-from rlcomm.comm.transports.shm_memory import checked_size
+from rlcomm.comm.transports.shm_memory import check_memory, checked_size
 from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
@@ -96,6 +96,7 @@ class FanoutSink:
                  limit: int | None = None):
         if not name.startswith("\0rlcomm-bcast-"):
             raise AuthenticationError(f"{label}: unexpected socket name {name!r}")
+        check_memory()
         self._label = label
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -129,12 +130,11 @@ class FanoutSink:
         self._stream_maps: OrderedDict[int, mmap.mmap] = OrderedDict()
         self._poller = select.poll()
         self._poller.register(self._sock, select.POLLIN)
-        #: Bytes copied out of this link's slots by the streams read through it.
-        self.bytes_read = 0
 
-    def verdict(self, seq: int, takes: bool, why: str = "") -> None:
-        """Tell the source whether this receiver takes message ``seq`` (and why not)."""
-        data = VERDICT.pack(seq, int(takes)) + why.encode()[:MAX_REASON]
+    def verdict(self, seq: int, verdict: int, why: str = "") -> None:
+        """Tell the source whether this receiver takes message ``seq`` (``TAKES``,
+        ``REFUSES``, ``OVER_LIMIT``), and why not."""
+        data = VERDICT.pack(seq, verdict) + why.encode()[:MAX_REASON]
         try:
             self._sock.send(data, socket.MSG_DONTWAIT)
         except OSError as exc:  # a full or closed socket: the source sees no verdict

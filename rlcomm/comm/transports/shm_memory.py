@@ -11,6 +11,8 @@ sender keeps its segments in a :class:`SegmentPool`.
 from __future__ import annotations
 
 import fcntl
+import functools
+import logging
 import mmap
 import os
 import time
@@ -19,8 +21,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rlcomm.errors import AuthenticationError, CommTimeoutError, PeerLostError
+from rlcomm.errors import (
+    AuthenticationError,
+    CapacityError,
+    CommError,
+    CommTimeoutError,
+    PeerLostError,
+)
 from rlcomm.settings import get_settings
+
+logger = logging.getLogger(__name__)
 
 #: Bytes of each direction's ring (payloads below the segment threshold, descriptors).
 RING_BYTES = get_settings().shm_ring_bytes
@@ -52,6 +62,77 @@ PACE_POLL_SECONDS = 50e-6
 STREAM_SEGMENTS = 2
 #: The seals of a memfd another process maps: it can neither shrink nor grow.
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
+
+
+#: Where a container's memory limit is written (cgroup v2, then v1).
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def node_memory() -> tuple[int, str]:
+    """The memory this process's shared memory may take, and where that figure comes
+    from: the node's ``MemTotal``, or its container's limit when that is lower."""
+    total, where = 0, "MemTotal in /proc/meminfo"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < (total or 1 << 62):
+            total, where = int(text), f"the container's memory limit ({path})"
+        break
+    return total, where
+
+
+def dev_shm_bytes() -> int | None:
+    """The size of ``/dev/shm`` (None: there is none)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
+
+
+@functools.lru_cache(maxsize=1)
+def check_memory() -> None:
+    """What a node's first shared-memory transport (or fan-out) checks, once per
+    process: that ``memfd`` works, and that the pool fits the node's memory.
+
+    rlcomm's shared memory is ``memfd_create`` memory: a small ``/dev/shm`` (64 MB in a
+    Docker container by default) does not bound it (the container's memory limit
+    does), and is only logged.
+
+    Raises:
+        CommError: ``memfd_create`` fails (a sandbox that forbids it).
+        CapacityError: ``RLCOMM_SHM_POOL_BYTES`` is more than the node's memory.
+    """
+    try:
+        fd = os.memfd_create("rlcomm-check", getattr(os, "MFD_CLOEXEC", 0))
+        os.close(fd)
+    except (AttributeError, OSError) as exc:
+        raise CommError(
+            f"shared memory between workers needs memfd_create, which failed here ({exc}); "
+            "use CollectiveGroupOptions(transport='gloo') for these workers") from exc
+    total, where = node_memory()
+    if total and POOL_BYTES > total:
+        raise CapacityError(
+            f"RLCOMM_SHM_POOL_BYTES={POOL_BYTES} ({POOL_BYTES >> 20} MiB) is more than this "
+            f"node's memory, {total} bytes ({total >> 20} MiB, {where}): set it to at most "
+            f"{total // 4} (a quarter of it); a streamed sync holds only two buckets of it "
+            "per connection")
+    shm = dev_shm_bytes()
+    if shm is not None and shm < POOL_BYTES:
+        logger.info("/dev/shm holds %d bytes, less than RLCOMM_SHM_POOL_BYTES=%d: rlcomm "
+                    "does not use /dev/shm (its shared memory is memfd_create memory)",
+                    shm, POOL_BYTES)
 
 
 def map_fd(fd: int, size: int, populate: bool = True) -> mmap.mmap:
