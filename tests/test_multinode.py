@@ -109,3 +109,30 @@ def test_broadcast_along_the_chain_to_another_node(two_node_cluster):
         assert progress["received"] == progress["total"], progress
     finally:
         group.shutdown()
+
+
+@pytest.mark.multinode
+def test_a_broadcast_past_the_pool_streams_along_the_chain(two_node_cluster):
+    """A state dict larger than the pool goes along the chain one bucket after the other:
+    the relay takes each into its own tensors and hands it to its node-mates through the
+    fan-out, which take it whole, as an iterator, or as their shards."""
+    from tests.comm.test_weight_sync import POOL, Syncer
+
+    group = Syncer.create_group().launch(
+        two_node_cluster, NodePlacementStrategy([0, 0, 1, 1, 1]), name="ws_chain",
+        env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)},
+    )
+    members = [("ws_chain", [0, 1, 2, 3, 4])]
+    src = ("ws_chain", 0)
+    try:
+        hows = {1: "whole", 2: "into", 3: "iter", 4: ("tp", 1, 2)}
+        for step in (1, 2):
+            handles = [group.execute_on(0).source(step, members=members, src=src)] + [
+                group.execute_on(r).take(step, how, members=members, src=src)
+                for r, how in hows.items()]
+            got = [h.wait(timeout=180)[0] for h in handles]
+            assert got[1:] == [True] * 4
+        relay = group.execute_on(2).broadcast_stats(members).wait(timeout=60)[0]
+        assert relay["buckets_in"] >= 8 and relay["buckets_out"] == relay["buckets_in"]
+    finally:
+        group.shutdown()

@@ -534,11 +534,15 @@ class BroadcastGroup:
         stream = self._stream_to(local, timeout)
         stream.open(frame)
         for bucket in plan(header.tensors, header.stream):
-            stream.send(bucket, self._pieces(bucket, views), header.stream)
-            self.buckets_out += 1
+            self._send_bucket(stream, bucket, self._pieces(bucket, views), header.stream)
         for member in stream.takers:
             stream.failures.pop(member, None)
         return stream.failures
+
+    def _send_bucket(self, stream: LocalStream, bucket: Bucket, pieces: list[torch.Tensor],
+                     bucket_bytes: int) -> None:
+        stream.send(bucket, pieces, bucket_bytes)
+        self.buckets_out += 1
 
     @staticmethod
     def _pieces(bucket: Bucket, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -647,7 +651,8 @@ class BroadcastGroup:
                                   ) -> concurrent.futures.Future | None:
                     if stream is None or not stream.takers:
                         return None
-                    return self._helper().submit(stream.send, b, bufs, header.stream)
+                    return self._helper().submit(self._send_bucket, stream, b, bufs,
+                                                 header.stream)
 
                 outcome = self._run_chain(
                     chain, (run_id + 1 + bucket.index) % (1 << 64),

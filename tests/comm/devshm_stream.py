@@ -17,10 +17,15 @@ from rlcomm.comm.transports.shm_memory import check_memory, dev_shm_bytes
 
 BUCKET = 64 << 20
 BUCKETS = 4
+torch.set_num_threads(1)  # no thread pool to inherit across the fork
+
+
+_BASE = torch.arange(251, dtype=torch.uint8).repeat(BUCKET // 251 + 1)[:BUCKET]
 
 
 def bucket(k: int) -> torch.Tensor:
-    return (torch.arange(BUCKET, dtype=torch.int64) % 251 + k).to(torch.uint8)
+    """Bucket ``k``'s bytes: a pattern of prime period, shifted by ``k``."""
+    return _BASE + k
 
 
 def main() -> int:
