@@ -20,14 +20,30 @@ until the next round arrives, as rollout workers keep their weights. ``--touch``
 receiver also reads every byte (a sum) before it counts as done.
 
     python scripts/bench_broadcast.py --json bench_broadcast.json
+
+``--sweep`` measures instead a weight sync at the sizes of real models: state dicts of
+``--sizes`` MiB (one tensor of a quarter of the dict, the rest in ``--sweep-tensors``
+tensors) from one worker to two others, each taking it into its own preallocated dict
+(``into=``), by ``broadcast`` and by ``send`` to each, with the shared-memory pool at each
+of ``--pools`` (MiB, ``default``, or ``2x``: twice the largest dict): the GB/s delivered
+(the dict's bytes over the time until the last receiver holds it), the peak of the
+node's shared memory beyond what it held before, and each receiver's peak resident
+memory beyond its dict. Every received value is checked after the run. Then the sharded
+case: a dict of 2-D weights to ``--tp`` receivers, each taking its tensor-parallel shard
+of every weight (``shards=``), against the same broadcast taken whole; with the bytes
+each receiver read out of shared memory.
+
+    python scripts/bench_broadcast.py --sweep --json docs/bench_weight_sync.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -201,6 +217,299 @@ class Bench:
         return "\n".join(lines)
 
 
+# -- the sweep: weight syncs at the sizes of real models ----------------------------------------
+
+SWEEP_GROUP = "bench_sync"
+SWEEP_WAYS = ["broadcast (into=)", "send to each (into=)"]
+SHARD_WAYS = ["broadcast, whole (into=)", "broadcast, TP shards (into=)"]
+
+
+def sync_layout(mib: int, tensors: int) -> list[tuple[str, int]]:
+    """(name, float32 elements) of a sync's tensors: one of a quarter of the dict, the
+    rest alike."""
+    big = (mib << 20) // 16
+    rest = ((mib << 20) // 4 - big) // max(1, tensors - 1)
+    return [("embed.weight", big)] + [(f"layers.{i}.weight", rest) for i in range(tensors - 1)]
+
+
+def _pattern(n: int, i: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32).remainder_(4093).add_(i)
+
+
+def tp_layout(mib: int) -> list[tuple[str, tuple[int, int]]]:
+    """2-D weights of ``mib`` MiB (float32), half column-parallel, half row-parallel."""
+    rows, cols = 4096, 1024
+    count = max(2, (mib << 20) // (rows * cols * 4))
+    return [(f"layers.{i}.{'qkv' if i % 2 == 0 else 'o'}.weight", (rows, cols))
+            for i in range(count)]
+
+
+def tp_shard(rank: int, tp: int) -> Any:
+    from rlcomm import Shard
+
+    return lambda name, shape: Shard(0 if ".qkv." in name else 1, rank, tp)
+
+
+def _vm(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _shmem() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class SyncWorker(Worker):
+    """Rank 0 is the trainer; the others take its weights into their own dicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self._sd: dict[str, torch.Tensor] = {}
+        self._layout: Any = None
+
+    def make(self, mib: int, tensors: int) -> int:
+        self._sd = {}
+        self._layout = sync_layout(mib, tensors)
+        if self._rank == 0:
+            self._sd = {n: _pattern(k, i) for i, (n, k) in enumerate(self._layout)}
+        else:
+            self._sd = {n: torch.zeros(k) for n, k in self._layout}
+        return sum(t.numel() * 4 for t in self._sd.values())
+
+    def make_tp(self, mib: int, tp: int, sharded: bool) -> int:
+        self._sd = {}
+        self._layout = tp_layout(mib)
+        if self._rank == 0:
+            self._sd = {n: _pattern(r * c, i).view(r, c)
+                        for i, (n, (r, c)) in enumerate(self._layout)}
+        elif sharded:
+            shard = tp_shard(self._rank - 1, tp)
+            self._sd = {n: torch.zeros(shard(n, s).shape_of(s, n)) for n, s in self._layout}
+        else:
+            self._sd = {n: torch.zeros(s) for n, s in self._layout}
+        return sum(t.numel() * 4 for t in self._sd.values())
+
+    def _barrier(self, n: int) -> None:
+        if self._rank == 0:
+            for r in range(1, n):
+                self.recv(SWEEP_GROUP, r)
+        else:
+            self.send(0, SWEEP_GROUP, 0)
+
+    def round(self, way: str, n: int, tp: int = 0) -> tuple[float, int, int]:
+        """One sync to ranks 1..n-1: the wall clock at its start (source) or end, the
+        peak resident memory this round added, and the bytes read out of shared memory."""
+        members = [(SWEEP_GROUP, list(range(n)))]
+        self._barrier(n)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) starts again from now
+        base = _vm("VmRSS")
+        read = self._read_so_far(members)
+        if self._rank == 0:
+            start = time.time()
+            if way.startswith("send"):
+                works = [self.send(self._sd, SWEEP_GROUP, r, async_op=True) for r in range(1, n)]
+                for w in works:
+                    w.wait()
+            else:
+                self.broadcast(self._sd, groups=members)
+            return start, _vm("VmHWM") - base, 0
+        if way.startswith("send"):
+            self.recv(SWEEP_GROUP, 0, into=self._sd)
+        else:
+            shards = tp_shard(self._rank - 1, tp) if "shards" in way else None
+            self.broadcast(None, groups=members, into=self._sd, shards=shards)
+        return time.time(), _vm("VmHWM") - base, self._read_so_far(members) - read
+
+    @staticmethod
+    def _read_so_far(members: list) -> int:
+        from rlcomm.comm.status import process_status
+
+        names = [f"{g}:{r}" for g, ranks in members for r in ranks]
+        for group in process_status()["process"]["broadcasts"]:
+            if group["members"] == names:
+                return group["bytes_in"]
+        return 0
+
+    def check(self, tp: int = 0) -> bool:
+        """Whether every received value is what the trainer sent (``tp``: each tensor is
+        this rank's shard of it)."""
+        for i, (name, shape) in enumerate(self._layout):
+            want = _pattern(math.prod(shape) if isinstance(shape, tuple) else shape, i)
+            if isinstance(shape, tuple):
+                want = want.view(shape)
+                if tp:
+                    s = tp_shard(self._rank - 1, tp)(name, shape)
+                    want = want.chunk(s.parts, s.dim)[s.index]
+            if not torch.equal(self._sd[name], want):
+                return False
+        return True
+
+
+class SizeSweep:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.records: list[dict[str, Any]] = []
+        self.cluster = Cluster(num_nodes=1, ray_init_kwargs={
+            "include_dashboard": False, "logging_level": "ERROR"})
+
+    def _pools(self) -> list[tuple[str, int | None]]:
+        out = []
+        for p in self.args.pools:
+            if p == "default":
+                out.append(("default", None))
+            elif p == "2x":
+                out.append(("2x", 2 * max(self.args.sizes) << 20))
+            else:
+                out.append((f"{int(p)} MiB", int(p) << 20))
+        return out
+
+    def _launch(self, label: str, pool: int | None, n: int) -> Any:
+        """A group of ``n`` workers with the pool; the node's shared memory before it (its
+        rings and pools count from then on)."""
+        self.shm_base = _shmem()
+        env = {} if pool is None else {"RLCOMM_SHM_POOL_BYTES": str(pool)}
+        return SyncWorker.create_group().launch(
+            self.cluster, NodePlacementStrategy([0] * n), name=SWEEP_GROUP, env_vars=env)
+
+    def _measure(self, group: Any, way: str, n: int, case: dict, tp: int = 0) -> None:
+        peak = [0]
+        stop = threading.Event()
+
+        def sample() -> None:  # the node's shared memory beyond what it held at the start
+            while not stop.is_set():
+                peak[0] = max(peak[0], _shmem() - self.shm_base)
+                stop.wait(0.005)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+
+        def once() -> tuple[float, list[int], list[int]]:
+            got = group.execute_on(*range(n)).round(way, n, tp).wait(timeout=1200)
+            return (max(t for t, _, _ in got[1:]) - got[0][0], [g for _, g, _ in got[1:]],
+                    [b for _, _, b in got[1:]])
+
+        try:
+            first, _, _ = once()
+            samples, growth, read = [], [0] * (n - 1), [0] * (n - 1)
+            for _ in range(self.args.repeats):
+                seconds, grew, bytes_read = once()
+                samples.append(seconds)
+                growth = [max(a, b) for a, b in zip(growth, grew)]
+                read = bytes_read
+        finally:
+            stop.set()
+            sampler.join()
+        checked = all(group.execute_on(*range(1, n)).check(tp if "shards" in way else 0).wait(
+            timeout=600))
+        med = statistics.median(samples)
+        record = {**case, "way": way, "receivers": n - 1, "first": first, "median": med,
+                  "min": min(samples), "max": max(samples), "gbps": case["bytes"] / med / 1e9,
+                  "peak_shm": peak[0], "receiver_rss_growth": growth,
+                  "receiver_bytes_read": read, "checked": checked}
+        self.records.append(record)
+        print(f"{case.get('pool', '')!s:>10} {case['bytes'] >> 20:6d} MiB {way:30s}: "
+              f"{med:7.3f} s, {record['gbps']:.2f} GB/s (first {first:.3f} s); peak shm "
+              f"{peak[0] >> 20} MiB; receivers' RSS +{[g >> 20 for g in growth]} MiB; "
+              f"{'checked' if checked else 'WRONG VALUES'}", flush=True)
+
+    def run(self) -> None:
+        for label, pool in self._pools():
+            group = self._launch(label, pool, 3)
+            try:
+                for mib in self.args.sizes:
+                    size = group.make(mib, self.args.sweep_tensors).wait(timeout=1200)[0]
+                    for way in SWEEP_WAYS:
+                        self._measure(group, way, 3, {"sweep": "size", "pool": label,
+                                                      "bytes": size})
+                    group.make(1, 1).wait(timeout=600)  # the big dicts go before the next
+            finally:
+                group.shutdown()
+        tp = self.args.tp
+        group = self._launch("default", None, tp + 1)
+        try:
+            for way in SHARD_WAYS:
+                size = group.make_tp(self.args.tp_mib, tp, "shards" in way).wait(
+                    timeout=1200)[0]
+                self._measure(group, way, tp + 1, {"sweep": "tp", "pool": "default",
+                                                   "bytes": size, "tp": tp}, tp)
+        finally:
+            group.shutdown()
+
+    def table(self) -> str:
+        sizes = sorted({r["bytes"] for r in self.records if r["sweep"] == "size"})
+        pools = list(dict.fromkeys(r["pool"] for r in self.records if r["sweep"] == "size"))
+        lines = ["GB/s delivered (median; first round in brackets), a state dict to 2 "
+                 "receivers that take it into their own dicts:", "",
+                 "| way, `RLCOMM_SHM_POOL_BYTES` | " + " | ".join(
+                     f"{b >> 20} MiB" for b in sizes) + " |",
+                 "| --- |" + " --- |" * len(sizes)]
+
+        def find(**match: Any) -> dict | None:
+            return next((r for r in self.records
+                         if all(r.get(k) == v for k, v in match.items())), None)
+
+        for way in SWEEP_WAYS:
+            for pool in pools:
+                cells = []
+                for b in sizes:
+                    r = find(sweep="size", way=way, pool=pool, bytes=b)
+                    cells.append("-" if r is None else
+                                 f"{r['gbps']:.2f} ({r['bytes'] / r['first'] / 1e9:.2f})")
+                lines.append(f"| {way}, {pool} | " + " | ".join(cells) + " |")
+        lines += ["", "Peak shared memory of the node beyond what it held before the workers "
+                  "started (their pools and rings, every connection's) / each receiver's peak "
+                  "resident memory beyond its dict, MiB:", "",
+                  "| way, `RLCOMM_SHM_POOL_BYTES` | " + " | ".join(
+                      f"{b >> 20} MiB" for b in sizes) + " |",
+                  "| --- |" + " --- |" * len(sizes)]
+        for way in SWEEP_WAYS:
+            for pool in pools:
+                cells = []
+                for b in sizes:
+                    r = find(sweep="size", way=way, pool=pool, bytes=b)
+                    cells.append("-" if r is None else f"{r['peak_shm'] >> 20} / " + ", ".join(
+                        str(g >> 20) for g in r["receiver_rss_growth"]))
+                lines.append(f"| {way}, {pool} | " + " | ".join(cells) + " |")
+        ratio = []
+        for b in sizes:
+            capped = [find(sweep="size", way=SWEEP_WAYS[0], pool=p, bytes=b) for p in pools]
+            base = find(sweep="size", way=SWEEP_WAYS[0], pool="default", bytes=b)
+            if base is not None:
+                ratio.append((b, [(p, r["gbps"] / base["gbps"]) for p, r in zip(pools, capped)
+                                  if r is not None]))
+        if ratio:
+            lines += ["", "Broadcast GB/s against the default pool's, same run:", "",
+                      "| pool | " + " | ".join(f"{b >> 20} MiB" for b, _ in ratio) + " |",
+                      "| --- |" + " --- |" * len(ratio)]
+            for pool in pools:
+                lines.append(f"| {pool} | " + " | ".join(
+                    next((f"{x:.2f}x" for p, x in row if p == pool), "-") for _, row in ratio)
+                    + " |")
+        tp = [r for r in self.records if r["sweep"] == "tp"]
+        if tp:
+            n = tp[0]["receivers"]
+            lines += ["", f"{tp[0]['bytes'] >> 20} MiB of 2-D weights to {n} receivers "
+                      "(float32, half split along dimension 0, half along 1):", "",
+                      "| way | seconds | GB/s | MiB each receiver read out of shared memory |",
+                      "| --- | --- | --- | --- |"]
+            for r in tp:
+                lines.append(f"| {r['way']} | {r['median']:.3f} ({r['first']:.3f}) | "
+                             f"{r['gbps']:.2f} | " + ", ".join(
+                                 str(b >> 20) for b in r["receiver_bytes_read"]) + " |")
+        if not all(r["checked"] for r in self.records):
+            lines.append("\n**Some received values were wrong.**")
+        return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="state dict size in MiB")
@@ -211,18 +520,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--touch", action="store_true", help="receivers read every byte")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--from-json", help="print the tables of an earlier run")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the weight sync at real models' sizes instead (see above)")
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[256, 1024, 4096], help="--sweep: state dict sizes, MiB")
+    parser.add_argument("--sweep-tensors", type=int, default=200,
+                        help="--sweep: tensors of each state dict")
+    parser.add_argument("--pools", type=lambda s: s.split(","), default=["256", "default", "2x"],
+                        help="--sweep: RLCOMM_SHM_POOL_BYTES in MiB, 'default' or '2x'")
+    parser.add_argument("--tp", type=int, default=4, help="--sweep: tensor-parallel receivers")
+    parser.add_argument("--tp-mib", type=int, default=1024,
+                        help="--sweep: MiB of 2-D weights in the sharded case")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     args = parse_args(argv)
+    kind = SizeSweep if args.sweep else Bench
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        bench = Bench.__new__(Bench)
+        if saved.get("args", {}).get("sweep"):
+            kind = SizeSweep
+        bench = kind.__new__(kind)
         bench.args, bench.records = args, saved["records"]
         print(bench.table())
+        return
+    if args.sweep:
+        sweep = SizeSweep(args)
+        sweep.run()
+        print(sweep.table())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "records": sweep.records}, f, indent=1)
         return
     bench = Bench(args)
     bench.run()

@@ -18,6 +18,14 @@ node to one worker on each of the next ``N - 1`` nodes, for N = 2 .. ``--nodes``
 - ``bound``: one node-to-node transfer of the same dict at the link rate, measured in the
   same run as one rlcomm ``send`` from the first node to the second.
 
+``--sync-mib`` adds a weight sync at the size of a real model: a state dict of that many
+MiB (one tensor of a quarter of it, the rest in ``--sync-tensors`` tensors) from the
+first node to one worker on each other node, each taking it into its own preallocated
+dict (``into=``), with ``RLCOMM_SHM_POOL_BYTES`` at ``--sync-pool-mib`` so that it
+streams in buckets; besides the time, each receiver's peak resident memory beyond its
+dict, and one ``send`` of it to the second node (``into=`` too) as the bound.
+``--sync-only`` runs only that.
+
 A figure is the time from the source's start until the last receiver holds the whole
 dict (receivers note the wall clock when their call returns: all processes share this
 machine's clock), the median of ``--repeats`` rounds after a first round that is not
@@ -63,6 +71,8 @@ GROUP = "bench_mn"
 PIPELINED, STAR, RAY, BOUND = (
     "rlcomm pipelined", "rlcomm star (Gloo)", "Ray object store", "bound: one node-to-node send",
 )
+SYNC_GROUP = "bench_mn_sync"
+STREAMED, STREAMED_BOUND = "rlcomm streamed (into=)", "bound: one send (into=)"
 WAYS = [PIPELINED, STAR, RAY, BOUND]
 MD_BEGIN, MD_END = "<!-- bench_multinode:begin -->", "<!-- bench_multinode:end -->"
 MIB = 1 << 20
@@ -123,6 +133,74 @@ class BenchWorker(Worker):
         self._held = None
         self._held = self.recv(GROUP, 0)
         return time.time()
+
+
+def sync_layout(mib: int, tensors: int) -> list[tuple[str, int]]:
+    """A weight sync's tensors (name, float32 elements): one of a quarter of the dict,
+    the rest alike."""
+    big = mib * MIB // 16
+    rest = (mib * MIB // 4 - big) // max(1, tensors - 1)
+    return [("embed.weight", big)] + [(f"layers.{i}.weight", rest) for i in range(tensors - 1)]
+
+
+def _vm(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class SyncWorker(Worker):
+    """Rank r runs on node r; rank 0 is the trainer, the others take the weights into
+    their own dicts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.set_num_threads(1)
+        self._sd: dict[str, torch.Tensor] = {}
+
+    def make(self, mib: int, tensors: int) -> int:
+        layout = sync_layout(mib, tensors)
+        if self._rank == 0:
+            self._sd = {n: torch.full((k,), float(i)) for i, (n, k) in enumerate(layout)}
+        else:
+            self._sd = {n: torch.zeros(k) for n, k in layout}
+        return sum(t.numel() * 4 for t in self._sd.values())
+
+    def _sync(self, n: int) -> None:
+        if self._rank == 0:
+            for r in range(1, n):
+                self.recv(SYNC_GROUP, r)
+        else:
+            self.send(0, SYNC_GROUP, 0)
+
+    def bcast(self, n: int) -> tuple[float, int]:
+        """One sync to ranks 1..n-1: the wall clock at the start (source) or end, and the
+        peak resident memory this round added (receivers; the dict was there before)."""
+        members = [(SYNC_GROUP, list(range(n)))]
+        self._sync(n)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) starts again from now
+        base = _vm("VmRSS")
+        if self._rank == 0:
+            start = time.time()
+            self.broadcast(self._sd, groups=members)
+            return start, _vm("VmHWM") - base
+        self.broadcast(None, groups=members, into=self._sd)
+        return time.time(), _vm("VmHWM") - base
+
+    def p2p(self) -> tuple[float, int]:
+        self._sync(2)
+        if self._rank == 0:
+            start = time.time()
+            self.send(self._sd, SYNC_GROUP, 1)
+            return start, 0
+        self.recv(SYNC_GROUP, 0, into=self._sd)
+        return time.time(), 0
+
+    def check(self) -> bool:
+        return all(bool((t == float(i)).all()) for i, t in enumerate(self._sd.values()))
 
 
 @ray.remote(num_cpus=0, runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}})
@@ -206,6 +284,11 @@ def _inner(spec: dict) -> dict:
 
     chunk = spec["chunk"]
     nodes = len(ips)
+    if spec["sync_mib"]:
+        _sync_sweep(spec, cluster, by_ip, records, log, wait)
+    if spec["sync_only"]:
+        workers.shutdown()
+        return {"records": records}
     size = workers.execute_on(0).make(spec["mib"], spec["tensors"]).wait(timeout=wait)[0]
     ray.get(peers[0].make.remote(spec["mib"], spec["tensors"]), timeout=wait)
     configure({"bcast_chunk_bytes": chunk})
@@ -229,6 +312,52 @@ def _inner(spec: dict) -> dict:
     return {"records": records}
 
 
+def _sync_sweep(spec: dict, cluster: Any, by_ip: dict, records: list[dict], log: Any,
+                wait: float) -> None:
+    """The weight sync at a real model's size (see the module docstring)."""
+    from rlcomm import NodePlacementStrategy
+
+    ips = spec["ips"]
+    n = len(ips)
+    group = SyncWorker.create_group().launch(
+        cluster, NodePlacementStrategy([by_ip[ip].node_rank for ip in ips]), name=SYNC_GROUP,
+        env_vars={"RLCOMM_SHM_POOL_BYTES": str(spec["sync_pool_mib"] * MIB),
+                  "RLCOMM_COMM_TIMEOUT": "600"},
+    )
+    try:
+        size = group.make(spec["sync_mib"], spec["sync_tensors"]).wait(timeout=wait)[0]
+        case = {"sweep": "sync", "bytes": size, "pool": spec["sync_pool_mib"] * MIB}
+
+        def once(way: str) -> tuple[float, list[int]]:
+            if way == STREAMED:
+                got = group.execute_on(*range(n)).bcast(n).wait(timeout=wait)
+            else:
+                got = group.execute_on(0, 1).p2p().wait(timeout=wait)
+            return max(t for t, _ in got[1:]) - got[0][0], [r for _, r in got[1:]]
+
+        firsts = {way: once(way)[0] for way in (STREAMED, STREAMED_BOUND)}
+        samples: dict[str, list[float]] = {STREAMED: [], STREAMED_BOUND: []}
+        rss: list[int] = []
+        for _ in range(spec["repeats"]):
+            for way in (STREAMED, STREAMED_BOUND):
+                seconds, grew = once(way)
+                samples[way].append(seconds)
+                if way == STREAMED:
+                    rss = [max(a, b) for a, b in zip(rss, grew)] if rss else grew
+        ok = all(group.execute_on(*range(1, n)).check().wait(timeout=wait))
+        for way, got in samples.items():
+            records.append({**case, "way": way, "nodes": n if way == STREAMED else 2,
+                            "first": firsts[way], "median": statistics.median(got),
+                            "min": min(got), "max": max(got), "samples": got,
+                            "receiver_rss_growth": rss if way == STREAMED else None,
+                            "checked": ok})
+            log(f"sync {way:30s} {size / MIB:8.0f} MiB: {statistics.median(got):7.3f} s "
+                f"(first {firsts[way]:.3f}); receivers' peak RSS beyond their dict "
+                f"{[r // MIB for r in rss]} MiB; values {'checked' if ok else 'WRONG'}")
+    finally:
+        group.shutdown()
+
+
 # -- outside: the cluster, the tables, the files ------------------------------------------------
 
 
@@ -247,9 +376,39 @@ def _size(n: int) -> str:
     return f"{n / MIB:g} MiB" if n >= MIB else f"{n / 1024:g} KiB"
 
 
+def sync_table(result: dict) -> str:
+    """The weight sync at a real model's size (empty when it was not run)."""
+    sync = [r for r in result["records"] if r["sweep"] == "sync"]
+    if not sync:
+        return ""
+    streamed = next(r for r in sync if r["way"] == STREAMED)
+    bound = next(r for r in sync if r["way"] == STREAMED_BOUND)
+    pool = streamed["pool"]
+    rows = [
+        f"A {_size(streamed['bytes'])} state dict to {streamed['nodes'] - 1} other nodes, each "
+        f"taking it into its own dict, `RLCOMM_SHM_POOL_BYTES` = {_size(pool)} (it streams in "
+        f"buckets), seconds, median of {len(streamed['samples'])} rounds (first round in "
+        "brackets):",
+        "",
+        "| way | seconds | GB/s | receivers' peak RSS beyond their dict |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in (streamed, bound):
+        growth = r.get("receiver_rss_growth")
+        rows.append(f"| {r['way']} | {r['median']:.2f} ({r['first']:.2f}) | "
+                    f"{r['bytes'] / r['median'] / 1e9:.3f} | "
+                    f"{'-' if growth is None else ', '.join(_size(g) for g in growth)} |")
+    rows.append(f"| streamed / bound | {streamed['median'] / bound['median']:.2f}x | | |")
+    if not all(r.get("checked") for r in sync):
+        rows.append("\n**Some received values were wrong.**")
+    return "\n".join(rows)
+
+
 def tables(result: dict) -> str:
     """The run's tables (markdown) and the acceptance figures under them."""
     records, args = result["records"], result["args"]
+    if not any(r["sweep"] == "nodes" for r in records):
+        return sync_table(result)
     counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
     size = next((r["bytes"] for r in records if r["sweep"] == "nodes"), 0)
     lines = [
@@ -302,6 +461,9 @@ def tables(result: dict) -> str:
                   "| --- |" + " --- |" * len(ch),
                   f"| {PIPELINED} | " + " | ".join(
                       _fmt(_get(records, "chunk", PIPELINED, chunk=c), 3) for c in ch) + " |"]
+    sync = sync_table(result)
+    if sync:
+        lines += ["", sync]
     return "\n".join(lines)
 
 
@@ -410,6 +572,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="record sizes (bytes) of the record-size sweep ('' for none)")
     parser.add_argument("--object-store-mib", type=int, default=640,
                         help="each Ray node's object store")
+    parser.add_argument("--sync-mib", type=int, default=0,
+                        help="also a weight sync of a state dict this large, streamed (0: none)")
+    parser.add_argument("--sync-tensors", type=int, default=128,
+                        help="tensors of that state dict")
+    parser.add_argument("--sync-pool-mib", type=int, default=256,
+                        help="the workers' RLCOMM_SHM_POOL_BYTES in that sync, in MiB")
+    parser.add_argument("--sync-only", action="store_true", help="run only that sync")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="write the figure (time against N) here")
     parser.add_argument("--md", help="write the figures section into this docs page")
@@ -450,7 +619,9 @@ def run_cluster(args: argparse.Namespace) -> dict:
             "repeats": args.repeats, "chunk": args.chunk or get_settings().bcast_chunk_bytes,
             "counts": list(range(2, args.nodes + 1)), "switch_mib": args.switch_mib,
             "switch_nodes": sorted({2, args.nodes}), "switch_repeats": max(5, args.repeats),
-            "chunks": args.chunks,
+            "chunks": args.chunks, "sync_mib": args.sync_mib,
+            "sync_tensors": args.sync_tensors, "sync_pool_mib": args.sync_pool_mib,
+            "sync_only": args.sync_only,
         }
         proc = subprocess.Popen(
             cluster.exec(0, sys.executable, os.path.abspath(__file__), "--inner",
