@@ -88,8 +88,9 @@ class Settings:
         256 << 10, "messages of at least this many bytes go through a pooled shared-memory "
         "segment instead of the ring", live=False, minimum=1)
     shm_pool_bytes: int = _setting(
-        4 << 30, "most bytes of shared-memory segments a connection keeps per direction",
-        live=False, minimum=0)
+        4 << 30, "most bytes of shared-memory segments a connection keeps per direction "
+        "(and of slots a broadcast source keeps); a CPU payload over a quarter of it streams "
+        "in buckets", live=False, minimum=0)
     copy_threads: int = _setting(
         0, "threads that share one large copy into shared memory (0: as many as CPUs, "
         "at most 4; 1: no splitting)", live=False, minimum=0)
@@ -103,8 +104,9 @@ class Settings:
         1 << 30, "received-but-unread bytes one connection holds before it stops reading "
         "(the sender then waits, and times out); read when a connection is made", minimum=1)
     max_message_bytes: int = _setting(
-        32 << 30, "largest message (all its tensors) a receiver accepts; a larger header "
-        "closes the connection before anything is allocated", minimum=1)
+        32 << 30, "most bytes a receiver allocates for one message (all its tensors as it "
+        "takes them; as rlcomm.Buckets, the largest); a message received into= existing "
+        "tensors may be larger when it streams", minimum=1)
     channel_reply_timeout: float = _setting(
         3600.0, "seconds a channel worker's reply may wait for a client that stopped "
         "reading (a frozen process) before the worker ends that client's connection",

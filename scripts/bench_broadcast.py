@@ -49,6 +49,7 @@ from typing import Any
 
 import ray
 import torch
+from make_tables import weight_sync_tables  # noqa: E402 - the docs' tables, one renderer
 
 from rlcomm import Cluster, NodePlacementStrategy, Worker
 
@@ -445,69 +446,7 @@ class SizeSweep:
             group.shutdown()
 
     def table(self) -> str:
-        sizes = sorted({r["bytes"] for r in self.records if r["sweep"] == "size"})
-        pools = list(dict.fromkeys(r["pool"] for r in self.records if r["sweep"] == "size"))
-        lines = ["GB/s delivered (median; first round in brackets), a state dict to 2 "
-                 "receivers that take it into their own dicts:", "",
-                 "| way, `RLCOMM_SHM_POOL_BYTES` | " + " | ".join(
-                     f"{b >> 20} MiB" for b in sizes) + " |",
-                 "| --- |" + " --- |" * len(sizes)]
-
-        def find(**match: Any) -> dict | None:
-            return next((r for r in self.records
-                         if all(r.get(k) == v for k, v in match.items())), None)
-
-        for way in SWEEP_WAYS:
-            for pool in pools:
-                cells = []
-                for b in sizes:
-                    r = find(sweep="size", way=way, pool=pool, bytes=b)
-                    cells.append("-" if r is None else
-                                 f"{r['gbps']:.2f} ({r['bytes'] / r['first'] / 1e9:.2f})")
-                lines.append(f"| {way}, {pool} | " + " | ".join(cells) + " |")
-        lines += ["", "Peak shared memory of the node beyond what it held before the workers "
-                  "started (their pools and rings, every connection's) / each receiver's peak "
-                  "resident memory beyond its dict, MiB:", "",
-                  "| way, `RLCOMM_SHM_POOL_BYTES` | " + " | ".join(
-                      f"{b >> 20} MiB" for b in sizes) + " |",
-                  "| --- |" + " --- |" * len(sizes)]
-        for way in SWEEP_WAYS:
-            for pool in pools:
-                cells = []
-                for b in sizes:
-                    r = find(sweep="size", way=way, pool=pool, bytes=b)
-                    cells.append("-" if r is None else f"{r['peak_shm'] >> 20} / " + ", ".join(
-                        str(g >> 20) for g in r["receiver_rss_growth"]))
-                lines.append(f"| {way}, {pool} | " + " | ".join(cells) + " |")
-        ratio = []
-        for b in sizes:
-            capped = [find(sweep="size", way=SWEEP_WAYS[0], pool=p, bytes=b) for p in pools]
-            base = find(sweep="size", way=SWEEP_WAYS[0], pool="default", bytes=b)
-            if base is not None:
-                ratio.append((b, [(p, r["gbps"] / base["gbps"]) for p, r in zip(pools, capped)
-                                  if r is not None]))
-        if ratio:
-            lines += ["", "Broadcast GB/s against the default pool's, same run:", "",
-                      "| pool | " + " | ".join(f"{b >> 20} MiB" for b, _ in ratio) + " |",
-                      "| --- |" + " --- |" * len(ratio)]
-            for pool in pools:
-                lines.append(f"| {pool} | " + " | ".join(
-                    next((f"{x:.2f}x" for p, x in row if p == pool), "-") for _, row in ratio)
-                    + " |")
-        tp = [r for r in self.records if r["sweep"] == "tp"]
-        if tp:
-            n = tp[0]["receivers"]
-            lines += ["", f"{tp[0]['bytes'] >> 20} MiB of 2-D weights to {n} receivers "
-                      "(float32, half split along dimension 0, half along 1):", "",
-                      "| way | seconds | GB/s | MiB each receiver read out of shared memory |",
-                      "| --- | --- | --- | --- |"]
-            for r in tp:
-                lines.append(f"| {r['way']} | {r['median']:.3f} ({r['first']:.3f}) | "
-                             f"{r['gbps']:.2f} | " + ", ".join(
-                                 str(b >> 20) for b in r["receiver_bytes_read"]) + " |")
-        if not all(r["checked"] for r in self.records):
-            lines.append("\n**Some received values were wrong.**")
-        return "\n".join(lines)
+        return weight_sync_tables({"records": self.records})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -548,12 +487,19 @@ def main(argv: list[str] | None = None) -> None:
         print(bench.table())
         return
     if args.sweep:
+        import platform
+
+        machine = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                   "torch": torch.__version__, "ray": ray.__version__,
+                   "loadavg_start": list(os.getloadavg())}
         sweep = SizeSweep(args)
         sweep.run()
+        machine["loadavg_end"] = list(os.getloadavg())
         print(sweep.table())
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "records": sweep.records}, f, indent=1)
+                json.dump({"args": vars(args), "machine": machine, "records": sweep.records},
+                          f, indent=1)
         return
     bench = Bench(args)
     bench.run()

@@ -378,30 +378,9 @@ def _size(n: int) -> str:
 
 def sync_table(result: dict) -> str:
     """The weight sync at a real model's size (empty when it was not run)."""
-    sync = [r for r in result["records"] if r["sweep"] == "sync"]
-    if not sync:
-        return ""
-    streamed = next(r for r in sync if r["way"] == STREAMED)
-    bound = next(r for r in sync if r["way"] == STREAMED_BOUND)
-    pool = streamed["pool"]
-    rows = [
-        f"A {_size(streamed['bytes'])} state dict to {streamed['nodes'] - 1} other nodes, each "
-        f"taking it into its own dict, `RLCOMM_SHM_POOL_BYTES` = {_size(pool)} (it streams in "
-        f"buckets), seconds, median of {len(streamed['samples'])} rounds (first round in "
-        "brackets):",
-        "",
-        "| way | seconds | GB/s | receivers' peak RSS beyond their dict |",
-        "| --- | --- | --- | --- |",
-    ]
-    for r in (streamed, bound):
-        growth = r.get("receiver_rss_growth")
-        rows.append(f"| {r['way']} | {r['median']:.2f} ({r['first']:.2f}) | "
-                    f"{r['bytes'] / r['median'] / 1e9:.3f} | "
-                    f"{'-' if growth is None else ', '.join(_size(g) for g in growth)} |")
-    rows.append(f"| streamed / bound | {streamed['median'] / bound['median']:.2f}x | | |")
-    if not all(r.get("checked") for r in sync):
-        rows.append("\n**Some received values were wrong.**")
-    return "\n".join(rows)
+    from make_tables import multinode_sync_table
+
+    return multinode_sync_table(result)
 
 
 def tables(result: dict) -> str:

@@ -185,6 +185,99 @@ def render_broadcast() -> str:
                     + [f"1 → {n}" for n in receivers], rows))
 
 
+def _find(records: list[dict], **match: Any) -> dict | None:
+    return next((r for r in records if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def weight_sync_tables(data: dict[str, Any]) -> str:
+    """The tables of ``bench_broadcast.py --sweep``: GB/s delivered by size and pool, the
+    memory each case took, the broadcast against the default pool's, the TP case."""
+    recs = data["records"]
+    sized = [r for r in recs if r["sweep"] == "size"]
+    sizes = sorted({r["bytes"] for r in sized})
+    pools = list(dict.fromkeys(r["pool"] for r in sized))
+    ways = list(dict.fromkeys(r["way"] for r in sized))
+    cols = [f"{round(b / MIB)} MiB" for b in sizes]
+    out = []
+    if sized:
+        rows = []
+        for way in ways:
+            for pool in pools:
+                cells = []
+                for b in sizes:
+                    r = _find(sized, way=way, pool=pool, bytes=b)
+                    cells.append("-" if r is None else
+                                 f"{num(r['gbps'])} ({num(r['bytes'] / r['first'] / 1e9)})")
+                rows.append([f"{way}, pool {pool}"] + cells)
+        out.append(table(["GB/s delivered to 2 receivers (first round)"] + cols, rows))
+        rows = []
+        for way in ways:
+            for pool in pools:
+                cells = []
+                for b in sizes:
+                    r = _find(sized, way=way, pool=pool, bytes=b)
+                    cells.append("-" if r is None else f"{round(r['peak_shm'] / MIB)} / " + ", ".join(
+                        str(round(g / MIB)) for g in r["receiver_rss_growth"]))
+                rows.append([f"{way}, pool {pool}"] + cells)
+        out.append(table(["peak shared memory / each receiver's RSS beyond its dict, MiB"] + cols,
+                         rows))
+        if "default" in pools:
+            rows = []
+            for pool in pools:
+                cells = []
+                for b in sizes:
+                    r = _find(sized, way=ways[0], pool=pool, bytes=b)
+                    base = _find(sized, way=ways[0], pool="default", bytes=b)
+                    cells.append(ratio(r["gbps"] / base["gbps"]) if r and base else "-")
+                rows.append([f"pool {pool}"] + cells)
+            out.append(table([f"{ways[0]}: GB/s against the default pool's"] + cols, rows))
+    tp = [r for r in recs if r["sweep"] == "tp"]
+    if tp:
+        rows = [[r["way"], f"{num(r['median'])} ({num(r['first'])})", num(r["gbps"]),
+                 ", ".join(str(round(b / MIB)) for b in r["receiver_bytes_read"])] for r in tp]
+        out.append(table([f"{round(tp[0]['bytes'] / MIB)} MiB of 2-D weights to "
+                          f"{tp[0]['receivers']} receivers", "seconds (first round)", "GB/s",
+                          "MiB each receiver read out of shared memory"], rows))
+    if not all(r.get("checked", True) for r in recs):
+        out.append("**Some received values were wrong.**")
+    return "\n\n".join(out)
+
+
+def render_weight_sync() -> str:
+    data = load("bench_weight_sync.json")
+    return (caption("bench_broadcast.py", "bench_weight_sync.json", data, " --sweep")
+            + weight_sync_tables(data))
+
+
+def multinode_sync_table(data: dict[str, Any]) -> str:
+    """The streamed weight sync of ``bench_multinode.py --sync-mib`` (empty: not run)."""
+    sync = [r for r in data["records"] if r["sweep"] == "sync"]
+    if not sync:
+        return ""
+    streamed = next(r for r in sync if r["nodes"] > 2 or "streamed" in r["way"])
+    bound = next(r for r in sync if r is not streamed)
+    rows = []
+    for r in (streamed, bound):
+        growth = r.get("receiver_rss_growth")
+        rows.append([r["way"], f"{num(r['median'])} ({num(r['first'])})",
+                     num(r["bytes"] / r["median"] / 1e9),
+                     "-" if growth is None else ", ".join(f"{g / MIB:.2f}" for g in growth)])
+    rows.append(["streamed / bound", ratio(streamed["median"] / bound["median"]), "", ""])
+    text = table([f"{round(streamed['bytes'] / MIB)} MiB to {streamed['nodes'] - 1} nodes, "
+                  f"pool {round(streamed['pool'] / MIB)} MiB", "seconds (first round)", "GB/s",
+                  "each receiver's peak RSS beyond its dict, MiB"], rows)
+    if not all(r.get("checked", True) for r in sync):
+        text += "\n\n**Some received values were wrong.**"
+    return text
+
+
+def render_multinode_sync() -> str:
+    data = load("bench_multinode_sync.json")
+    return (caption("bench_multinode.py", "bench_multinode_sync.json", data,
+                    f" --sync-mib {round(data['records'][0]['bytes'] / MIB)}")
+            + multinode_sync_table(data))
+
+
 # -- scripts/bench_channel.py ------------------------------------------------------------
 
 
@@ -477,6 +570,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "p2p": render_p2p,
     "copy": render_copy,
     "broadcast": render_broadcast,
+    "weight-sync": render_weight_sync,
+    "multinode-sync": render_multinode_sync,
     "channel": render_channel,
     "flows": render_flows,
     "gpu": render_gpu,

@@ -97,6 +97,15 @@ def test_p2p_bandwidth_example():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_weight_sync_tp_example():
+    out = run_example("examples/weight_sync_tp.py", "--quick")
+    syncs = [line for line in out.splitlines() if line.startswith("sync ")]
+    assert len(syncs) == 2 and all("values checked: True" in line for line in syncs), out
+    # Each TP-2 rank read about half of the 53 MiB: only its shards.
+    assert "read [26, 26, 26, 26] MiB" in syncs[-1], out
+
+
 @pytest.mark.timeout(600)
 def test_rollout_to_trainer_solves_cartpole(tmp_path):
     out = run_example("examples/rollout_to_trainer.py", "--plot", str(tmp_path / "c.png"),

@@ -114,8 +114,9 @@ def test_broadcast_along_the_chain_to_another_node(two_node_cluster):
 @pytest.mark.multinode
 def test_a_broadcast_past_the_pool_streams_along_the_chain(two_node_cluster):
     """A state dict larger than the pool goes along the chain one bucket after the other:
-    the relay takes each into its own tensors and hands it to its node-mates through the
-    fan-out, which take it whole, as an iterator, or as their shards."""
+    the relay takes it as an iterator and hands each bucket to its node-mates through the
+    fan-out, which take it into their tensors or as their shards; a send between the
+    nodes streams over Gloo."""
     from tests.comm.test_weight_sync import POOL, Syncer
 
     group = Syncer.create_group().launch(
@@ -125,7 +126,7 @@ def test_a_broadcast_past_the_pool_streams_along_the_chain(two_node_cluster):
     members = [("ws_chain", [0, 1, 2, 3, 4])]
     src = ("ws_chain", 0)
     try:
-        hows = {1: "whole", 2: "into", 3: "iter", 4: ("tp", 1, 2)}
+        hows = {1: "whole", 2: "iter", 3: "into", 4: ("tp", 1, 2)}  # 2: the relay
         for step in (1, 2):
             handles = [group.execute_on(0).source(step, members=members, src=src)] + [
                 group.execute_on(r).take(step, how, members=members, src=src)
@@ -134,5 +135,10 @@ def test_a_broadcast_past_the_pool_streams_along_the_chain(two_node_cluster):
             assert got[1:] == [True] * 4
         relay = group.execute_on(2).broadcast_stats(members).wait(timeout=60)[0]
         assert relay["buckets_in"] >= 8 and relay["buckets_out"] == relay["buckets_in"]
+        # send/recv past the pool between the nodes (over Gloo) streams too.
+        for how in ("into", "iter"):
+            sent = group.execute_on(0).send_to(3, 2, group="ws_chain", bucket_bytes=1 << 20)
+            got = group.execute_on(2).recv_as(3, how, group="ws_chain").wait(timeout=180)
+            assert got == [True] and sent.wait(timeout=180) == [True]
     finally:
         group.shutdown()

@@ -153,9 +153,10 @@ class BucketIterator:
     docstring): iterate it once; ``close()`` it (or drop it) to stop early, and what
     has not come yet is dropped as it arrives.
 
-    Raises (while iterating):
-        CommTimeoutError: no bucket came within the receive's timeout.
-        PeerLostError, ProtocolMismatchError: as the receive would.
+    Iterating raises what the receive would (``PeerLostError``,
+    ``ProtocolMismatchError``), and ``CommTimeoutError`` when no bucket came within the
+    receive's timeout. Finish (or close) it before the next receive from the same peer
+    or broadcast of the same group: those wait for it.
     """
 
     def __init__(self, handoff: Handoff,

@@ -136,9 +136,8 @@ def stream_bucket(total: int, requested: int | None, limits: Sequence[int] = (),
         raise CapacityError(
             f"a payload of {describe(total)} ({total} bytes) must stream in buckets through "
             f"shared memory, and RLCOMM_SHM_POOL_BYTES={POOL_BYTES} leaves buckets of "
-            f"{bucket} bytes, under the {MIN_BUCKET} a bucket takes at least: set "
-            f"RLCOMM_SHM_POOL_BYTES to {4 * MIN_BUCKET} or more (256 MiB or more streams "
-            "at full speed)")
+            f"{bucket} bytes, under the {MIN_BUCKET} a bucket takes at least: set it to "
+            f"{4 * MIN_BUCKET} or more (256 MiB or more streams at full speed)")
     return max(MIN_BUCKET, bucket)
 
 

@@ -14,7 +14,10 @@ import torch
 
 from rlcomm.comm import codec, framing
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout, plan_by_gpu
+from rlcomm.comm.bucket_iter import Buckets
+from rlcomm.comm.buckets import Shard
 from rlcomm.comm.store import StoreClient, StoreServer
+from rlcomm.comm.taking import Taking
 from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.cuda_ipc import CudaIpcTransport
 from rlcomm.comm.transports.shm import SHM_SUPPORTED
@@ -81,9 +84,11 @@ def node(monkeypatch):
 _member = threading.local()
 
 
-def _receive(fanout: DeviceFanout, sink: FanoutSink, into=None) -> tuple[object, str]:
+def _receive(fanout: DeviceFanout, sink: FanoutSink, into=None, taking=None
+             ) -> tuple[object, str]:
     """What BroadcastGroup's receiver does: set-up messages, then the broadcast's own:
-    an offer (copied on the device) or a host copy."""
+    an offer (copied on the device) or a host copy; ``taking``: what the receive takes
+    of it (an iterator, shards), as BroadcastGroup hands a whole message to it."""
     _member.index = fanout.index
     deadline = time.monotonic() + 10
     while True:
@@ -105,17 +110,20 @@ def _receive(fanout: DeviceFanout, sink: FanoutSink, into=None) -> tuple[object,
             for t, got in zip(targets, tensors):
                 t.copy_(got)
             tensors = targets
+    if taking is not None:
+        return taking.whole(header, tensors), how
     return (codec.decode(header, tensors) if into is None else into), how
 
 
-def _broadcast(node, obj, into=None, rounds=1):
+def _broadcast(node, obj, into=None, rounds=1, taking=None):
     made, source, sinks, devices = node
     seq = iter(range(10_000))
     results: dict[int, list] = {1: [], 2: []}
 
     def receiver(i: int) -> None:
         for _ in range(rounds):
-            results[i].append(_receive(made[i], sinks[i], into))
+            results[i].append(_receive(made[i], sinks[i], into,
+                                       None if taking is None else taking(i)))
 
     threads = [threading.Thread(target=receiver, args=(i,)) for i in (1, 2)]
     for t in threads:
@@ -188,3 +196,27 @@ def test_a_receiver_that_refuses_fails_the_source_for_it_only(node):
     # The refusal kept the link in step: the next broadcast reaches both.
     results, failures = _broadcast(node, {"w": torch.full((4,), 2.0)})
     assert failures == [{}] and results[1][0][1] == "device"
+
+
+def test_a_device_broadcast_is_taken_as_an_iterator_of_shards(node):
+    """A weight sync's receive options take a device payload as they take a CPU one: the
+    iterator (renaming), the shards and their dtype, on the member that copied it on the
+    device and on the one that got it through host memory."""
+    weights = {"layer.w": torch.arange(64.0).view(8, 8), "layer.b": torch.arange(4.0)}
+
+    def taking(i: int) -> Taking:
+        shards = {"layer.w": Shard(1, i - 1, 2, dtype=torch.float64)}
+        return Taking(Buckets(transform=lambda pairs: [(f"engine.{n}", t) for n, t in pairs]),
+                      shards, f"test member {i}", "member 0", 10.0, "broadcast")
+
+    results, failures = _broadcast(node, weights, taking=taking)
+    assert failures == [{}]
+    for i, how in ((1, "device"), (2, "host")):
+        (got, came), = results[i]
+        assert came == how
+        pairs = dict(got)
+        assert set(pairs) == {"engine.layer.w", "engine.layer.b"}
+        want = weights["layer.w"].chunk(2, 1)[i - 1].double()
+        assert pairs["engine.layer.w"].dtype == torch.float64
+        assert torch.equal(pairs["engine.layer.w"], want)
+        assert torch.equal(pairs["engine.layer.b"], weights["layer.b"])

@@ -154,22 +154,22 @@ class Syncer(Worker):
 
     # -- send/recv ---------------------------------------------------------------------------
 
-    def send_to(self, step, dst, **kw):
-        self.send(weights(step), GROUP, dst, **kw)
+    def send_to(self, step, dst, group=GROUP, **kw):
+        self.send(weights(step), group, dst, **kw)
         return True
 
-    def recv_as(self, step, how, timeout=60.0):
+    def recv_as(self, step, how, timeout=60.0, group=GROUP):
         options = CollectiveGroupOptions(timeout=timeout)
         want = weights(step)
         if how == "into":
             into = {k: torch.zeros_like(v) for k, v in want.items()}
-            return self.recv(GROUP, 0, options=options, into=into) is into and same(into, want)
+            return self.recv(group, 0, options=options, into=into) is into and same(into, want)
         if how == "whole":
-            return same(self.recv(GROUP, 0, options=options), want)
+            return same(self.recv(group, 0, options=options), want)
         if how == "iter":
-            return same(dict(self.recv(GROUP, 0, options=options, into=Buckets())), want)
+            return same(dict(self.recv(group, 0, options=options, into=Buckets())), want)
         _, rank, tp = how
-        return same(self.recv(GROUP, 0, options=options, shards=tp_shards(rank, tp)),
+        return same(self.recv(group, 0, options=options, shards=tp_shards(rank, tp)),
                     sliced(want, rank, tp))
 
     # -- what cannot go through --------------------------------------------------------------

@@ -124,7 +124,7 @@ def check_memory() -> None:
     total, where = node_memory()
     if total and POOL_BYTES > total:
         raise CapacityError(
-            f"RLCOMM_SHM_POOL_BYTES={POOL_BYTES} ({POOL_BYTES >> 20} MiB) is more than this "
+            f"the pool, RLCOMM_SHM_POOL_BYTES={POOL_BYTES} ({POOL_BYTES >> 20} MiB), is more than this "
             f"node's memory, {total} bytes ({total >> 20} MiB, {where}): set it to at most "
             f"{total // 4} (a quarter of it); a streamed sync holds only two buckets of it "
             "per connection")
