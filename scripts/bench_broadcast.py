@@ -27,8 +27,9 @@ tensors) from one worker to two others, each taking it into its own preallocated
 (``into=``), by ``broadcast`` and by ``send`` to each, with the shared-memory pool at each
 of ``--pools`` (MiB, ``default``, or ``2x``: twice the largest dict): the GB/s delivered
 (the dict's bytes over the time until the last receiver holds it), the peak of the
-node's shared memory beyond what it held before, and each receiver's peak resident
-memory beyond its dict. Every received value is checked after the run. Then the sharded
+node's shared memory beyond what it held before the workers started (each pool and way
+has workers of its own, so this is that way's, all its connections' and slots'
+together), and each receiver's peak resident memory beyond its dict. Every received value is checked after the run. Then the sharded
 case: a dict of 2-D weights to ``--tp`` receivers, each taking its tensor-parallel shard
 of every weight (``shards=``), against the same broadcast taken whole; with the bytes
 each receiver read out of shared memory.
@@ -259,6 +260,17 @@ def _vm(key: str) -> int:
     return 0
 
 
+def _shut_down(group: Any, timeout: float = 60.0) -> None:
+    """Shut ``group`` down and wait until its processes have ended (their shared memory
+    is given back then)."""
+    pids = ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in group.workers],
+                   timeout=timeout)
+    group.shutdown()
+    end = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def _shmem() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -423,17 +435,18 @@ class SizeSweep:
               f"{'checked' if checked else 'WRONG VALUES'}", flush=True)
 
     def run(self) -> None:
+        # Workers of their own for each case: the shared memory a case shows is then its
+        # own (connections keep their segments, a source its slots, while they live).
         for label, pool in self._pools():
-            group = self._launch(label, pool, 3)
-            try:
+            for way in SWEEP_WAYS:
                 for mib in self.args.sizes:
-                    size = group.make(mib, self.args.sweep_tensors).wait(timeout=1200)[0]
-                    for way in SWEEP_WAYS:
+                    group = self._launch(label, pool, 3)
+                    try:
+                        size = group.make(mib, self.args.sweep_tensors).wait(timeout=1200)[0]
                         self._measure(group, way, 3, {"sweep": "size", "pool": label,
                                                       "bytes": size})
-                    group.make(1, 1).wait(timeout=600)  # the big dicts go before the next
-            finally:
-                group.shutdown()
+                    finally:
+                        _shut_down(group)
         tp = self.args.tp
         group = self._launch("default", None, tp + 1)
         try:
@@ -443,7 +456,7 @@ class SizeSweep:
                 self._measure(group, way, tp + 1, {"sweep": "tp", "pool": "default",
                                                    "bytes": size, "tp": tp}, tp)
         finally:
-            group.shutdown()
+            _shut_down(group)
 
     def table(self) -> str:
         return weight_sync_tables({"records": self.records})

@@ -105,13 +105,15 @@ class BenchWorker(Worker):
         update_settings(**settings)
         return True
 
+    group = GROUP
+
     def _sync(self, n: int) -> None:
         """Every receiver is inside its call before the source starts."""
         if self._rank == 0:
             for r in range(1, n):
-                self.recv(GROUP, r)
+                self.recv(self.group, r)
         else:
-            self.send(0, GROUP, 0)
+            self.send(0, self.group, 0)
 
     def bcast(self, n: int) -> float:
         members = [(GROUP, list(range(n)))]
@@ -151,14 +153,11 @@ def _vm(key: str) -> int:
     return 0
 
 
-class SyncWorker(Worker):
+class SyncWorker(BenchWorker):
     """Rank r runs on node r; rank 0 is the trainer, the others take the weights into
     their own dicts."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.set_num_threads(1)
-        self._sd: dict[str, torch.Tensor] = {}
+    group = SYNC_GROUP
 
     def make(self, mib: int, tensors: int) -> int:
         layout = sync_layout(mib, tensors)
@@ -167,13 +166,6 @@ class SyncWorker(Worker):
         else:
             self._sd = {n: torch.zeros(k) for n, k in layout}
         return sum(t.numel() * 4 for t in self._sd.values())
-
-    def _sync(self, n: int) -> None:
-        if self._rank == 0:
-            for r in range(1, n):
-                self.recv(SYNC_GROUP, r)
-        else:
-            self.send(0, SYNC_GROUP, 0)
 
     def bcast(self, n: int) -> tuple[float, int]:
         """One sync to ranks 1..n-1: the wall clock at the start (source) or end, and the

@@ -199,28 +199,24 @@ def weight_sync_tables(data: dict[str, Any]) -> str:
     ways = list(dict.fromkeys(r["way"] for r in sized))
     cols = [f"{round(b / MIB)} MiB" for b in sizes]
     out = []
+
+    def grid(cell: Callable[[dict], str]) -> list[list[str]]:
+        """A row per way and pool, a cell per size (``-`` where nothing was measured)."""
+        rows = []
+        for way in ways:
+            for pool in pools:
+                found = [_find(sized, way=way, pool=pool, bytes=b) for b in sizes]
+                rows.append([f"{way}, pool {pool}"] + ["-" if r is None else cell(r)
+                                                       for r in found])
+        return rows
+
     if sized:
-        rows = []
-        for way in ways:
-            for pool in pools:
-                cells = []
-                for b in sizes:
-                    r = _find(sized, way=way, pool=pool, bytes=b)
-                    cells.append("-" if r is None else
-                                 f"{num(r['gbps'])} ({num(r['bytes'] / r['first'] / 1e9)})")
-                rows.append([f"{way}, pool {pool}"] + cells)
-        out.append(table(["GB/s delivered to 2 receivers (first round)"] + cols, rows))
-        rows = []
-        for way in ways:
-            for pool in pools:
-                cells = []
-                for b in sizes:
-                    r = _find(sized, way=way, pool=pool, bytes=b)
-                    cells.append("-" if r is None else f"{round(r['peak_shm'] / MIB)} / " + ", ".join(
-                        str(round(g / MIB)) for g in r["receiver_rss_growth"]))
-                rows.append([f"{way}, pool {pool}"] + cells)
-        out.append(table(["peak shared memory / each receiver's RSS beyond its dict, MiB"] + cols,
-                         rows))
+        out.append(table(["GB/s delivered to 2 receivers (first round)"] + cols, grid(
+            lambda r: f"{num(r['gbps'])} ({num(r['bytes'] / r['first'] / 1e9)})")))
+        out.append(table(
+            ["peak shared memory / each receiver's RSS beyond its dict, MiB"] + cols,
+            grid(lambda r: f"{round(r['peak_shm'] / MIB)} / " + ", ".join(
+                str(round(g / MIB)) for g in r["receiver_rss_growth"]))))
         if "default" in pools:
             rows = []
             for pool in pools:
@@ -228,7 +224,7 @@ def weight_sync_tables(data: dict[str, Any]) -> str:
                 for b in sizes:
                     r = _find(sized, way=ways[0], pool=pool, bytes=b)
                     base = _find(sized, way=ways[0], pool="default", bytes=b)
-                    cells.append(ratio(r["gbps"] / base["gbps"]) if r and base else "-")
+                    cells.append(f"{r['gbps'] / base['gbps']:.2f}x" if r and base else "-")
                 rows.append([f"pool {pool}"] + cells)
             out.append(table([f"{ways[0]}: GB/s against the default pool's"] + cols, rows))
     tp = [r for r in recs if r["sweep"] == "tp"]
@@ -245,8 +241,8 @@ def weight_sync_tables(data: dict[str, Any]) -> str:
 
 def render_weight_sync() -> str:
     data = load("bench_weight_sync.json")
-    return (caption("bench_broadcast.py", "bench_weight_sync.json", data, " --sweep")
-            + weight_sync_tables(data))
+    return caption("bench_broadcast.py --sweep", "bench_weight_sync.json", data) + \
+        weight_sync_tables(data)
 
 
 def multinode_sync_table(data: dict[str, Any]) -> str:
@@ -262,7 +258,7 @@ def multinode_sync_table(data: dict[str, Any]) -> str:
         rows.append([r["way"], f"{num(r['median'])} ({num(r['first'])})",
                      num(r["bytes"] / r["median"] / 1e9),
                      "-" if growth is None else ", ".join(f"{g / MIB:.2f}" for g in growth)])
-    rows.append(["streamed / bound", ratio(streamed["median"] / bound["median"]), "", ""])
+    rows.append(["streamed / bound", f"{streamed['median'] / bound['median']:.2f}x", "", ""])
     text = table([f"{round(streamed['bytes'] / MIB)} MiB to {streamed['nodes'] - 1} nodes, "
                   f"pool {round(streamed['pool'] / MIB)} MiB", "seconds (first round)", "GB/s",
                   "each receiver's peak RSS beyond its dict, MiB"], rows)
@@ -273,8 +269,8 @@ def multinode_sync_table(data: dict[str, Any]) -> str:
 
 def render_multinode_sync() -> str:
     data = load("bench_multinode_sync.json")
-    return (caption("bench_multinode.py", "bench_multinode_sync.json", data,
-                    f" --sync-mib {round(data['records'][0]['bytes'] / MIB)}")
+    mib = round(data["records"][0]["bytes"] / MIB)
+    return (caption(f"bench_multinode.py --sync-mib {mib}", "bench_multinode_sync.json", data)
             + multinode_sync_table(data))
 
 

@@ -23,6 +23,14 @@ A broadcast from member ``src`` splits its members in two, alike on every member
   copy). So a broadcast to ``n`` nodes of ``k`` members each costs one local copy per
   node, whatever ``k``, and (along the chain) about one network transfer, whatever ``n``.
 
+A CPU payload larger than a quarter of the shared-memory pool (or than a local
+receiver's limit, or any the caller asks to) *streams* in buckets
+(:mod:`~rlcomm.comm.buckets`): to the local receivers, an opening they each answer, then
+the buckets through two reused slots (:mod:`~rlcomm.comm.broadcast_stream`); along the
+chain, one run of the chain per bucket, each relay handing each bucket on to its
+node-mates as it arrives. Each receiver takes what it asked for
+(:class:`~rlcomm.comm.taking.Taking`: ``into=``, new tensors, an iterator, shards).
+
 Broadcasts on one group run one at a time, in call order (one thread for async calls),
 so every member sees the same sequence. Each source numbers its messages, so a receiver
 that timed out on a broadcast skips that message when it arrives late. Along a chain,
@@ -923,14 +931,14 @@ class BroadcastGroup:
             raise ProtocolMismatchError(f"{self._label}: a broadcast frame of {len(data)} bytes")
         route, run_id, chunk = ROUTE.unpack_from(data)
         frame = data[ROUTE.size :]
-        header, inline, _ = framing.unpack(frame)
-        if route == NOTED:
-            if mates:  # the source refused to send: so do this relay's node-mates
-                self._stream_to(mates, timeout).abort(src, OVER_LIMIT,
-                                                      frame.decode(errors="replace"))
+        if route == NOTED:  # the source cannot send it: nor can this relay's node-mates
+            why = frame[:2000].decode(errors="replace")
+            if mates:
+                self._stream_to(mates, timeout).abort(src, OVER_LIMIT, why)
             raise CapacityError(f"broadcast at {self.members[self.index]} from "
-                                f"{self.members[src]}: nothing was sent: {frame.decode(errors='replace')}",
+                                f"{self.members[src]}: nothing was sent: {why}",
                                 peer=self.members[src], op="broadcast")
+        header, inline, _ = framing.unpack(frame)
         if route == CHAIN and MIN_CHUNK <= chunk <= MAX_CHUNK and not header.inline:
             if header.stream:
                 return self._recv_chain_stream(src, chain, mates, header, frame, run_id, chunk,

@@ -132,8 +132,14 @@ class LocalStream:
             failures = self._source.publish(self._next_seq(), b"", pieces, deadline,
                                             only=self.takers, bucket=bucket_bytes)
         except CommTimeoutError as exc:
-            self.abort(None, TIMEOUT, f"bucket {bucket.index} stalled: {exc}")
-            raise
+            held = list(getattr(exc, "holders", []))
+            names = [self._name(m) for m in held]
+            text = (f"bucket {bucket.index} found no free slot within {self._timeout}s: "
+                    + (f"{', '.join(names)} still held the buckets before it (stopped, or "
+                       "not reading)" if names else str(exc)))
+            self.abort(held[0] if held else None, TIMEOUT, text)
+            raise CommTimeoutError(f"{self._label}: {text}", op="broadcast",
+                                   peer=names[0] if names else None) from exc
         self._fail(failures)
 
     def abort(self, culprit: int | None, reason: int, text: str) -> None:

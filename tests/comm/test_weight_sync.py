@@ -20,14 +20,13 @@ import torch
 import rlcomm
 from rlcomm import (
     Buckets,
-    CapacityError,
     CollectiveGroupOptions,
     NodePlacementStrategy,
-    PeerLostError,
     Shard,
     Worker,
 )
 from rlcomm.comm.status import process_status
+from tests.waiting import actor_pid, wait_process_gone
 
 GROUP = "ws"
 POOL = 8 << 20
@@ -151,6 +150,19 @@ class Syncer(Worker):
 
     def broadcast_stats(self, members=ALL):
         return stats(members)
+
+    def first_then_hold(self, members, src, timeout):
+        """Take the first tensor of a streamed broadcast and keep the rest waiting (this
+        worker is then killed or stopped by the test)."""
+        options = CollectiveGroupOptions(timeout=timeout)
+        self.iterator = self.broadcast(None, groups=members, src=src, options=options,
+                                       into=Buckets())
+        return next(self.iterator)[0]
+
+    def first_of_recv_then_hold(self, src_group, timeout):
+        options = CollectiveGroupOptions(timeout=timeout)
+        self.iterator = self.recv(src_group, 0, options=options, into=Buckets())
+        return next(self.iterator)[0]
 
     # -- send/recv ---------------------------------------------------------------------------
 
@@ -351,7 +363,57 @@ def test_a_64_mb_dev_shm_does_not_bound_the_shared_memory():
     assert "dev_shm=67108864 streamed=268435456 ok" in out.stdout, out.stdout + out.stderr
 
 
-def test_streamed_errors_name_the_member_and_peer_lost_is_no_capacity_error():
-    """Guards the error classes the tests above rely on."""
-    assert issubclass(CapacityError, rlcomm.ProtocolMismatchError)
-    assert not issubclass(PeerLostError, CapacityError)
+def test_receivers_killed_or_stopped_mid_stream(cluster):
+    """In the middle of a stream (each victim took its first tensor and holds the rest):
+    a receiver of a `send` killed fails its sender at once; a receiver of a broadcast
+    killed fails the source for it alone (the other receiver gets every bucket); one
+    stopped, holding its buckets, makes the source and the receiver still waiting fail
+    by the source's timeout, naming it."""
+    import signal
+
+    name = "ws_faults"
+    g = Syncer.create_group().launch(cluster, NodePlacementStrategy([0] * 5), name=name,
+                                     env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)})
+    pids = {r: actor_pid(g.workers[r]) for r in (2, 3, 4)}
+    src = (name, 0)
+    try:
+        # send: rank 3 is killed.
+        sent = g.execute_on(0).attempt("send_to", 1, 3, group=name,
+                                       options=CollectiveGroupOptions(timeout=60))
+        assert g.execute_on(3).first_of_recv_then_hold(name, 60).wait(timeout=60) == [
+            "embed.weight"]
+        os.kill(pids[3], signal.SIGKILL)
+        kind, text, seconds = sent.wait(timeout=120)[0]
+        assert kind == "PeerLostError" and seconds < FAST, (kind, text, seconds)
+
+        # broadcast: rank 2 is killed, rank 1 gets it all.
+        members = [(name, [0, 1, 2])]
+        source = g.execute_on(0).attempt("source", 2, members=members, src=src)
+        other = g.execute_on(1).attempt("take", 2, "into", members=members, src=src)
+        assert g.execute_on(2).first_then_hold(members, src, 60).wait(timeout=60) == [
+            "embed.weight"]
+        os.kill(pids[2], signal.SIGKILL)
+        kind, text, seconds = source.wait(timeout=120)[0]
+        assert kind == "PeerLostError" and f"{name}:2" in text, text
+        assert other.wait(timeout=60) == [None]
+
+        # broadcast: rank 4 is stopped; the source's timeout is 4 s a bucket.
+        members = [(name, [0, 1, 4])]
+        source = g.execute_on(0).attempt("source", 3, members=members, src=src,
+                                         options=CollectiveGroupOptions(timeout=4.0))
+        other = g.execute_on(1).attempt("take", 3, "into", members=members, src=src)
+        assert g.execute_on(4).first_then_hold(members, src, 60).wait(timeout=60) == [
+            "embed.weight"]
+        os.kill(pids[4], signal.SIGSTOP)
+        kind, text, seconds = source.wait(timeout=120)[0]
+        assert kind == "CommTimeoutError" and f"{name}:4 still held" in text, text
+        kind, text, _ = other.wait(timeout=60)[0]
+        assert kind == "CommTimeoutError" and "part-way" in text and f"{name}:4" in text, text
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            wait_process_gone(pid)
+        g.shutdown()

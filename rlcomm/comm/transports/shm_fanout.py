@@ -325,11 +325,13 @@ class FanoutSource:
                 holders = sorted(link.member for link in links if any(
                     link.flags[s.index] for s in self.slots if s.size >= need
                 ))
-                raise CommTimeoutError(
+                error = CommTimeoutError(
                     f"{self._label}: no free shared-memory slot of {need} bytes: members "
                     f"{holders} still hold views of earlier broadcasts (drop them, or copy "
                     "what you keep)"
                 )
+                error.holders = holders  # type: ignore[attr-defined]
+                raise error
             time.sleep(wait)
             wait = min(wait * 2, 0.001)
 
