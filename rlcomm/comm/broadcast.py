@@ -235,6 +235,14 @@ class BroadcastGroup:
             out.update(received=run.received, forwarded=run.forwarded, total=run.total)
         return out
 
+    def progress_mark(self) -> tuple[int, ...]:
+        """A value that changes whenever this member's broadcasts move on (a bucket in or
+        out, a record along the chain): a wait for a streamed broadcast times out only
+        when it has not changed for the timeout."""
+        run = self._run
+        along = (run.received, run.forwarded) if run is not None else (0, 0)
+        return (self.buckets_in, self.buckets_out, *along)
+
     def stats(self) -> dict[str, Any]:
         """This member's counters (any thread may ask): its members, phase, buckets out
         and in, bytes in, and the shared memory it holds as a source."""

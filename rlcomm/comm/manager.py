@@ -213,7 +213,8 @@ class CommManager:
                 raise
             fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
             return AsyncWork(fut, what, timeout, explain=lambda exc, waited: self.explain(
-                exc, op, dst, key, timeout if waited is None else waited))
+                exc, op, dst, key, timeout if waited is None else waited),
+                progress=conn.stream_progress if header.stream else None)
         try:
             if not conn.checked_first_contact:
                 self._check_first_contact(conn, options, timeout)
@@ -257,7 +258,8 @@ class CommManager:
             # A receive cancelled before it ran (its connection closed) ends here too.
             fut.add_done_callback(lambda f: RECORDER.end_future(key, f))
             return AsyncWork(fut, what, timeout, explain=lambda exc, waited:
-                             self.explain(exc, op, src, key, timeout if waited is None else waited))
+                             self.explain(exc, op, src, key, timeout if waited is None else waited),
+                             progress=conn.stream_progress)
         try:
             return self._receive(conn, ticket, options, timeout, key, device, tensor, into,
                                  shards)
@@ -334,7 +336,7 @@ class CommManager:
                                 timeout if waited is None else waited)
 
         work = AsyncWork(fut, f"broadcast at {self.address} from {source}", timeout,
-                         explain=explain)
+                         explain=explain, progress=group.progress_mark)
         return work if async_op else work.wait()
 
     # -- what the peer was doing --------------------------------------------------------------

@@ -9,10 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
 from rlcomm.errors import CommError, CommTimeoutError
+
+
+def _while_progressing(future: concurrent.futures.Future, timeout: float,
+                       progress: Callable[[], object], look: float = 0.5) -> bool:
+    """Wait for ``future`` until it is done (True), or until ``progress()`` has not
+    changed for ``timeout`` seconds (False)."""
+    mark = progress()
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        done, _ = concurrent.futures.wait([future], timeout=min(left, look))
+        if done:
+            return True
+        now = progress()
+        if now != mark:
+            mark, deadline = now, time.monotonic() + timeout
 
 
 def _raised_by_op(future: concurrent.futures.Future, exc: BaseException) -> bool:
@@ -49,6 +68,10 @@ class AsyncWork:
             to raise into the error raised (one with an analysis of what the peer was
             doing; see :meth:`rlcomm.comm.manager.CommManager.explain`); ``waited`` is
             the seconds of the wait that timed out, ``None`` for the op's own error.
+        progress: for an op whose timeout bounds a stall rather than the whole op (a
+            message streamed in buckets): gives a value that changes whenever the op
+            moves on; a wait then times out only when it has not changed for the
+            timeout.
     """
 
     #: See ``explain`` above (a class default: adapters may not call ``__init__``).
@@ -64,8 +87,10 @@ class AsyncWork:
         cancellable: bool = False,
         on_cancel: Callable[[], None] | None = None,
         explain: Callable[[CommError, float | None], CommError] | None = None,
+        progress: Callable[[], object] | None = None,
     ):
         self._future = future
+        self._progress = progress
         self._description = description
         self._timeout = timeout
         self._waiter = waiter
@@ -123,6 +148,9 @@ class AsyncWork:
             if (self._waiter is not None and not future.done()
                     and not self._waiter(future, timeout)):
                 raise concurrent.futures.TimeoutError
+            if (self._progress is not None and timeout is not None and not future.done()
+                    and not _while_progressing(future, timeout, self._progress)):
+                raise concurrent.futures.TimeoutError
             return future.result(timeout=timeout)
         except (concurrent.futures.TimeoutError, TimeoutError) as exc:
             if _raised_by_op(future, exc):
@@ -159,6 +187,16 @@ class AsyncWork:
             if not self._cancellable:
                 # shield: a timed-out await must not cancel an op still queued behind others.
                 waited = asyncio.shield(waited)
+            if self._progress is not None and timeout is not None:
+                mark = self._progress()
+                while True:  # the timeout bounds a stall: each time it moved on, anew
+                    try:
+                        return await asyncio.wait_for(asyncio.shield(waited), timeout)
+                    except (asyncio.TimeoutError, TimeoutError):
+                        now = self._progress()
+                        if now == mark or future.done():
+                            raise
+                        mark = now
             return await asyncio.wait_for(waited, timeout)
         except asyncio.CancelledError:
             self._abandon()

@@ -56,6 +56,12 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return sd
 
 
+def layers(step: int) -> dict[str, torch.Tensor]:
+    """Sixteen 1 MiB weights (16 MiB): every 2 MiB bucket completes two of them."""
+    return {f"layers.{i}.weight": (torch.arange(1 << 18, dtype=torch.float32) + i * 7 + step)
+            for i in range(16)}
+
+
 def tp_shards(rank: int, tp: int):
     """The tensor-parallel layout: column-parallel qkv and embeddings split along dim 0,
     row-parallel o along dim 1 (in float32 on the engine), the rest replicated."""
@@ -102,11 +108,11 @@ class Syncer(Worker):
         self.broadcast(weights(step), groups=members, src=src, **kw)
         return stats(members)
 
-    def take(self, step, how, members=ALL, timeout=60.0, src=SRC):
+    def take(self, step, how, members=ALL, timeout=60.0, src=SRC, made=weights):
         """Receive a broadcast: into this worker's tensors, whole, as an iterator, or as
         TP shards (``("tp", rank, parts)``); True when every value is right."""
         options = CollectiveGroupOptions(timeout=timeout)
-        want = weights(step)
+        want = made(step)
         if how == "into":
             into = {k: torch.zeros_like(v) for k, v in want.items()}
             got = self.broadcast(None, groups=members, src=src, options=options, into=into)
@@ -123,9 +129,10 @@ class Syncer(Worker):
         return same(got, sliced(want, rank, tp))
 
     def start_source(self, step):
-        """Start a broadcast on the group's thread; returns the buckets sent before."""
+        """Start a broadcast of :func:`layers` on the group's thread; returns the buckets
+        sent before."""
         before = stats(ALL)["buckets_out"]
-        self.work = self.broadcast(weights(step), groups=ALL, src=SRC, async_op=True)
+        self.work = self.broadcast(layers(step), groups=ALL, src=SRC, async_op=True)
         return before
 
     def source_state(self):
@@ -146,7 +153,7 @@ class Syncer(Worker):
         for name, t in self.iterator:
             got[name] = t
             most_held = max(most_held, self.iterator.buckets_handed - self.iterator.buckets_taken)
-        return same(got, weights(step)), most_held
+        return same(got, layers(step)), most_held
 
     def broadcast_stats(self, members=ALL):
         return stats(members)
@@ -253,13 +260,13 @@ def test_the_iterator_hands_out_the_first_bucket_before_the_source_is_done(group
     to write (it cannot finish: two slots, and this receiver holds what it took); the
     iterator's producer never holds more than one bucket beyond what was taken."""
     before = group.execute_on(0).start_source(4).wait()[0]
-    others = [group.execute_on(r).take(4, "whole") for r in (2, 3, 4)]
+    others = [group.execute_on(r).take(4, "whole", made=layers) for r in (2, 3, 4)]
     name, taken, handed = group.execute_on(1).first_of_iterator().wait()[0]
-    assert name == "embed.weight" and taken == 1 and handed - taken <= 1
+    assert name == "layers.0.weight" and taken == 1 and handed - taken <= 1
     done, source = group.execute_on(0).source_state().wait()[0]
     total = rlcomm.comm.buckets.bucket_count(
-        rlcomm.comm.codec.encode(weights(4))[0].tensors, BUCKET)
-    assert total >= 5
+        rlcomm.comm.codec.encode(layers(4))[0].tensors, BUCKET)
+    assert total == 8
     assert not done and source["buckets_out"] - before < total, (done, source, before, total)
     ok, most_held = group.execute_on(1).rest_of_iterator(4).wait()[0]
     assert ok and most_held <= 1

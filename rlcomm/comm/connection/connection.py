@@ -98,6 +98,8 @@ class Connection:
         self.send_inline = self.sender.send_inline
         self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
         self._consumer_lock = threading.Lock()
+        #: Buckets of streamed messages received (the sender counts those it sent).
+        self.buckets_received = 0
         self.transport_name = "pending"
         #: Whether the transport's sends wait only on the peer's reading (its ``memory_only``).
         self.memory_only = False
@@ -311,6 +313,11 @@ class Connection:
             return into, codec.decode(msg.header, tensors)[1]
         return into
 
+    def stream_progress(self) -> int:
+        """Buckets of streamed messages this connection sent and received so far (a wait
+        for one times out only when this has not changed for its timeout)."""
+        return self.sender.buckets_sent + self.buckets_received
+
     def _taking(self, into: Any, shards: Shards | None, timeout: float) -> Taking:
         return Taking(into, shards, f"recv from {self.peer}", self.peer, timeout, "recv")
 
@@ -330,6 +337,7 @@ class Connection:
                 except CommError as exc:
                     self.fail(exc)
                     raise
+                self.buckets_received += 1
                 if failure is None:
                     try:
                         if views is None:

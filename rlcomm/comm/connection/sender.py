@@ -82,6 +82,8 @@ class Sender:
         self._lock = threading.Lock()  # held while a message is being sent
         self._state = threading.Lock()  # guards _queued
         self._queued = 0
+        #: Buckets of streamed messages sent (read by any thread: a wait's progress).
+        self.buckets_sent = 0
 
     def submit(
         self,
@@ -180,6 +182,7 @@ class Sender:
             for bucket in plan(header.tensors, header.stream):
                 transport.send_bucket(
                     [views[p.tensor][p.start : p.end] for p in bucket.pieces], timeout)
+                self.buckets_sent += 1
         except CommError as exc:
             transport.broken = True
             self._part_way(exc)
