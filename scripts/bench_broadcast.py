@@ -52,7 +52,7 @@ import ray
 import torch
 from make_tables import weight_sync_tables  # noqa: E402 - the docs' tables, one renderer
 
-from rlcomm import Cluster, NodePlacementStrategy, Worker
+from rlcomm import Cluster, NodePlacementStrategy, Worker, get_settings
 
 GROUP = "bench_bcast"
 PATHS = ["rlcomm broadcast", "rlcomm send to each", "ray put + zero-copy gets"]
@@ -389,7 +389,13 @@ class SizeSweep:
         """A group of ``n`` workers with the pool; the node's shared memory before it (its
         rings and pools count from then on)."""
         self.shm_base = _shmem()
-        env = {} if pool is None else {"RLCOMM_SHM_POOL_BYTES": str(pool)}
+        # Every group's workers start with an environment of their own (a runtime_env),
+        # the default pool's too: Ray then starts each group's processes alike, and does
+        # not start spare workers (two more processes importing torch) behind a group
+        # that used its pre-started ones, in the next case's rounds.
+        env = {"RLCOMM_LOG_LEVEL": get_settings().log_level}
+        if pool is not None:
+            env["RLCOMM_SHM_POOL_BYTES"] = str(pool)
         return SyncWorker.create_group().launch(
             self.cluster, NodePlacementStrategy([0] * n), name=SWEEP_GROUP, env_vars=env)
 

@@ -74,8 +74,10 @@ class AsyncWork:
             timeout.
     """
 
-    #: See ``explain`` above (a class default: adapters may not call ``__init__``).
+    #: See ``explain`` and ``progress`` above (class defaults: adapters may not call
+    #: ``__init__``).
     _explain: Callable[[CommError, float | None], CommError] | None = None
+    _progress: Callable[[], object] | None = None
 
     def __init__(
         self,
