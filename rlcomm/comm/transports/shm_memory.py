@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 RING_BYTES = get_settings().shm_ring_bytes
 #: Payloads of at least this many bytes go through pooled segments.
 SEGMENT_THRESHOLD = get_settings().shm_segment_threshold
-#: Most bytes of segments one direction keeps; past it, payloads stream through the ring.
+#: Most bytes of segments one direction keeps (a payload no segment can hold goes through
+#: the ring; one over a quarter of it streams in buckets, :mod:`rlcomm.comm.buckets`).
 POOL_BYTES = get_settings().shm_pool_bytes
 #: Segment states of one direction (own segments, then relayed ones).
 MAX_SEGMENTS = 1024
