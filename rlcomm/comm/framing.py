@@ -33,12 +33,12 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
     """The frame of a message and the payload tensors that follow it (as uint8 views).
 
     Sets ``header.inline``: a CPU payload of at most :data:`INLINE_BYTES` rides in the
-    frame and the payload list is then empty. CUDA payloads never ride inline; their
+    frame and the payload list is then empty (unless the message streams in buckets). CUDA payloads never ride inline; their
     tensors are returned as they are, for the accelerator transport.
     """
     on_cuda = bool(tensors) and tensors[0].is_cuda
     total = sum(t.numel() * t.element_size() for t in tensors)
-    if total and not on_cuda and total <= INLINE_BYTES:
+    if total and not on_cuda and total <= INLINE_BYTES and not header.stream:
         header.inline = total
         hb = codec.header_to_bytes(header)
         return b"".join([_LEN.pack(len(hb)), hb, *(_raw_bytes(t) for t in tensors)]), []

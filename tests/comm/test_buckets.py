@@ -209,3 +209,14 @@ def test_a_producer_error_reaches_the_caller():
     with pytest.raises(CommTimeoutError, match="bucket 2") as info:
         next(iterator)
     assert info.value.peer == "b:0"
+
+
+def test_a_streamed_message_carries_no_payload_in_its_frame():
+    from rlcomm.comm import framing
+
+    header, tensors = codec.encode({"w": torch.ones(4)})
+    header.stream = MIN_BUCKET
+    frame, payload = framing.pack(header, tensors)
+    got, inline, offer = framing.unpack(frame)
+    assert got.stream == MIN_BUCKET and got.inline == 0 and inline == b"" and offer == b""
+    assert [p.numel() for p in payload] == [16]

@@ -62,6 +62,11 @@ def layers(step: int) -> dict[str, torch.Tensor]:
             for i in range(16)}
 
 
+def tiny(step: int) -> dict[str, torch.Tensor]:
+    """A dict small enough to ride in a frame, were it not asked to stream."""
+    return {"w": torch.arange(6.0).view(2, 3) + step, "step": torch.tensor(step)}
+
+
 def tp_shards(rank: int, tp: int):
     """The tensor-parallel layout: column-parallel qkv and embeddings split along dim 0,
     row-parallel o along dim 1 (in float32 on the engine), the rest replicated."""
@@ -104,8 +109,8 @@ class Syncer(Worker):
 
     # -- broadcast --------------------------------------------------------------------------
 
-    def source(self, step, members=ALL, src=SRC, **kw):
-        self.broadcast(weights(step), groups=members, src=src, **kw)
+    def source(self, step, members=ALL, src=SRC, made=weights, **kw):
+        self.broadcast(made(step), groups=members, src=src, **kw)
         return stats(members)
 
     def take(self, step, how, members=ALL, timeout=60.0, src=SRC, made=weights):
@@ -173,13 +178,13 @@ class Syncer(Worker):
 
     # -- send/recv ---------------------------------------------------------------------------
 
-    def send_to(self, step, dst, group=GROUP, **kw):
-        self.send(weights(step), group, dst, **kw)
+    def send_to(self, step, dst, group=GROUP, made=weights, **kw):
+        self.send(made(step), group, dst, **kw)
         return True
 
-    def recv_as(self, step, how, timeout=60.0, group=GROUP):
+    def recv_as(self, step, how, timeout=60.0, group=GROUP, made=weights):
         options = CollectiveGroupOptions(timeout=timeout)
-        want = weights(step)
+        want = made(step)
         if how == "into":
             into = {k: torch.zeros_like(v) for k, v in want.items()}
             return self.recv(group, 0, options=options, into=into) is into and same(into, want)
@@ -278,6 +283,20 @@ def test_the_iterator_hands_out_the_first_bucket_before_the_source_is_done(group
 def test_send_past_the_pool_streams_to_the_receiver_as_it_asks(group, how):
     got = _each(group, {0: ("send_to", (5, 1), {}), 1: ("recv_as", (5, how), {})})
     assert got == {0: True, 1: True}
+
+
+def test_a_small_payload_streams_when_the_source_asks(group):
+    """``bucket_bytes=`` streams even a payload small enough to ride in its frame."""
+    kw = {"made": tiny, "bucket_bytes": 1 << 20}
+    got = _each(group, {0: ("source", (8,), kw),
+                        1: ("take", (8, "iter"), {"made": tiny}),
+                        2: ("take", (8, ("tp", 1, 3)), {"made": tiny}),
+                        3: ("take", (8, "into"), {"made": tiny}),
+                        4: ("take", (8, "whole"), {"made": tiny})})
+    assert [got[r] for r in (1, 2, 3, 4)] == [True] * 4
+    assert got[0]["buckets_out"] >= 1
+    assert _each(group, {0: ("send_to", (9, 1), kw),
+                         1: ("recv_as", (9, "into"), {"made": tiny})}) == {0: True, 1: True}
 
 
 def test_a_receiver_over_its_limit_fails_every_member_at_once(group):
