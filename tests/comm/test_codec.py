@@ -195,6 +195,16 @@ def test_tensor_list_and_dict_keep_order():
     same(d, out)
 
 
+def test_a_state_dict_travels_as_a_dict_of_tensors():
+    """``Module.state_dict()`` is an OrderedDict: its tensors go raw, and it arrives as a
+    dict (so a receiver can take it ``into=`` its own tensors)."""
+    state = torch.nn.Linear(3, 2).state_dict()
+    assert type(state) is collections.OrderedDict
+    header, out = _transfer(state)
+    assert header.kind == Kind.TENSOR_DICT and type(out) is dict
+    same(dict(state), out)
+
+
 def test_empty_containers():
     for obj in ([], {}):
         header, out = _transfer(obj)
@@ -392,6 +402,30 @@ def test_functions_and_local_dataclasses_travel_by_value():
     offset = 5
     fn = decode(*encode(lambda v: v + offset))
     assert fn(1) == 6
+
+
+def test_a_dataclass_of_a_scripts_main_travels_by_value():
+    """A class of the sender's ``__main__`` imports back there, but a receiver's
+    ``__main__`` is another program: it goes by value, not as ``__main__:Name``."""
+    import __main__
+
+    @dataclasses.dataclass
+    class Prompt:
+        ids: torch.Tensor
+
+    Prompt.__module__, Prompt.__qualname__ = "__main__", "Prompt"
+    had = getattr(__main__, "Prompt", None)
+    __main__.Prompt = Prompt
+    try:
+        header, tensors = encode(Prompt(torch.arange(3)))
+    finally:
+        if had is None:
+            del __main__.Prompt
+        else:
+            __main__.Prompt = had
+    assert header.kind == Kind.DATACLASS and header.structure.by_value is not None
+    back = decode(header_from_bytes(header_to_bytes(header)), tensors)
+    assert torch.equal(back.ids, torch.arange(3))
 
 
 def test_unimportable_dataclass_is_rejected_at_decode():

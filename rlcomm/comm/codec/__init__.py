@@ -4,7 +4,8 @@ Pure: no I/O, no Ray, no torch.distributed. A transport sends :func:`header_to_b
 each tensor's memory (:func:`as_bytes`); the receiver parses :func:`header_from_bytes`,
 allocates buffers with :func:`empty_like_meta`, receives into them and calls :func:`decode`.
 
-- a tensor, a ``list`` of tensors, a ``dict`` of ``str`` to tensors and a dataclass
+- a tensor, a ``list`` of tensors, a ``dict`` of ``str`` to tensors (an ``OrderedDict``
+  too, as ``Module.state_dict()`` returns; it arrives as a ``dict``) and a dataclass
   instance (its fields walked through lists, tuples, str-keyed dicts and nested
   dataclasses) have their tensors *extracted*: never pickled, sent as raw memory, so CUDA
   tensors can go through NCCL. Non-tensor parts of a dataclass are pickled into the header;

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from typing import Any
@@ -55,13 +56,14 @@ def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.T
         meta, t = prepare(obj)
         return MessageHeader(Kind.TENSOR, [meta], None, pb), [t]
     tp = type(obj)
-    values = obj if tp is list else obj.values() if tp is dict else None
+    is_dict = tp is dict or tp is collections.OrderedDict  # what Module.state_dict() gives
+    values = obj if tp is list else obj.values() if is_dict else None
     if (
         values is not None
         and all(isinstance(v, torch.Tensor) for v in values)
         and (tp is list or all(type(k) is str for k in obj))
     ):
-        keys = list(obj) if tp is dict else list(range(len(obj)))
+        keys = list(obj) if is_dict else list(range(len(obj)))
         pairs = [prepare(v) for v in values]
         metas = [m for m, _ in pairs]
         check_one_device(metas, lambda i: f"obj[{keys[i]!r}]")

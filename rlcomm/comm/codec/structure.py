@@ -48,7 +48,9 @@ def _class_info(cls: type) -> tuple[str, bytes | None, tuple[str, ...]]:
     if info is None:
         path = f"{cls.__module__}:{cls.__qualname__}"
         by_value = None
-        if "<locals>" in path or _importable(path) is not cls:
+        # A script's __main__ imports back in the sender only: the receiver's __main__ is
+        # another program, so such a class goes by value too.
+        if cls.__module__ == "__main__" or "<locals>" in path or _importable(path) is not cls:
             try:
                 by_value = cloudpickle.dumps(cls, protocol=PICKLE_PROTOCOL)
             except Exception as exc:
