@@ -73,9 +73,10 @@ class RayWorkerGroup(WorkerGroup):
     """verl's worker group: one rlcomm worker per slot of a resource pool.
 
     Rank ``i`` runs on the pool's slot ``i``, so groups built on one pool are colocated.
-    Methods decorated with ``@register`` become dispatching methods of the group; every
-    public method is also callable through :meth:`execute_all_sync` and the other
-    ``execute_*`` calls.
+    Methods decorated with ``@register`` become dispatching methods of the group; the
+    other group methods are those of :class:`~rlcomm.WorkerGroup` (the public methods
+    the worker class adds, and ``gpu_info``). Any method of the worker class, by name,
+    can be called through :meth:`execute_all_sync` and the other ``execute_*`` calls.
 
     Args:
         resource_pool: where the workers run.
@@ -91,10 +92,13 @@ class RayWorkerGroup(WorkerGroup):
             (``use_gpu=False``) the value changes nothing.
         worker_names: with ``resource_pool=None``, attach to the running workers of
             these names (verl's detached form; see :meth:`from_detached`).
-        bin_pack, detached, ray_wait_register_center_timeout, worker_handles: verl's
-            arguments, accepted; ``bin_pack`` is ignored (slots decide placement),
-            ``detached=True`` is refused (rlcomm groups live with their creator).
-        launch_options: more keyword arguments of :meth:`WorkerGroup.launch`
+        worker_handles: verl's argument, accepted and not used.
+        bin_pack: verl's argument, accepted and ignored (the pool's slots decide
+            placement).
+        detached: verl's argument; ``True`` is refused (an rlcomm group lives with its
+            creator).
+        ray_wait_register_center_timeout: verl's argument, accepted and not used.
+        **launch_options: more keyword arguments of :meth:`WorkerGroup.launch`
             (``env_vars``, ``max_concurrency``, ...).
 
     Raises:
@@ -204,7 +208,9 @@ class RayWorkerGroup(WorkerGroup):
         Args:
             worker_names: the :attr:`worker_names` of the group.
             ray_cls_with_init: its worker class (the arguments are not used).
-            name_prefix, worker_handles, kwargs: verl's; accepted, not needed.
+            name_prefix: verl's argument, accepted and not needed.
+            worker_handles: verl's argument, accepted and not needed.
+            **kwargs: more arguments of the :class:`RayWorkerGroup` constructor.
 
         Raises:
             ValueError: no names, or names of several groups.

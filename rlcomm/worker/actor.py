@@ -28,6 +28,7 @@ from rlcomm.channel.client import settle_all
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.process import ProcessContext, start_process
 from rlcomm.settings import get_settings
+from rlcomm.worker.configure import CONFIGURE_HOOK
 from rlcomm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ def _wrap_method(name: str, fn: Any, log_exit: bool) -> Any:
 
 
 def public_methods(worker_cls: type) -> list[str]:
-    """Names of the methods a group exposes: public, and not inherited from ``Worker``."""
+    """Names of the public methods a subclass adds: no leading ``_``, and not a name
+    that ``Worker`` itself defines."""
     base = set(dir(Worker))
     names = []
     for name in dir(worker_cls):
@@ -136,6 +138,21 @@ def public_methods(worker_cls: type) -> list[str]:
         if callable(inspect.getattr_static(worker_cls, name, None)):
             names.append(name)
     return names
+
+
+#: The methods of ``Worker`` itself that a group offers too: those that take no peer and
+#: mean the same on every rank. The others (``send``, ``recv``, ``broadcast``,
+#: ``create_channel``, the mesh calls, ...) name a peer, a channel or a mesh that is one
+#: rank's own, and are called inside a worker.
+WORKER_GROUP_METHODS = ("gpu_info",)
+
+
+def group_methods(worker_cls: type) -> list[str]:
+    """Names of the methods a group of ``worker_cls`` offers: :func:`public_methods`
+    but the ``configure_worker`` hook, and :data:`WORKER_GROUP_METHODS` (a subclass's
+    override of one is what runs)."""
+    names = [m for m in public_methods(worker_cls) if m != CONFIGURE_HOOK]
+    return sorted(names + [m for m in WORKER_GROUP_METHODS if m not in names])
 
 
 def make_actor_class(worker_cls: type[Worker], catch_system_failure: bool) -> type:

@@ -182,9 +182,12 @@ def resolve_worker_options(
             own, its tied group's for a tied group's first worker; ``None`` for the
             other tied workers.
         num_gpus_per_node: GPUs per node of the cluster (for NeMo-RL's hook).
-        user_env, user_actor_options, user_init_kwargs: the user's layer (the
-            launching process's environment already under ``user_env``).
-        builder_env, builder_actor_options: rlcomm's layer.
+        user_env: the user's layer of environment variables (the launching process's
+            environment already under them).
+        user_actor_options: the user's layer of Ray actor options.
+        user_init_kwargs: the user's layer of ``__init__`` keyword arguments.
+        builder_env: rlcomm's layer of environment variables.
+        builder_actor_options: rlcomm's layer of Ray actor options.
         where: names the worker in warnings, e.g. ``"group:3"``.
     """
     resources, worker_env, worker_kwargs, runtime_env = call_configure_hook(

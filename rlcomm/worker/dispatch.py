@@ -86,7 +86,8 @@ def split_call_args(
     """Split every batch argument of a call into ``parts`` chunks; copy the others.
 
     Args:
-        args, kwargs: the call's arguments.
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
         parts: the number of chunks (ranks or data-parallel groups).
         pad: pad the batches to a multiple of ``parts``.
         where: names the method and dispatch mode in error messages.

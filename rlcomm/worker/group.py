@@ -23,14 +23,8 @@ from rlcomm.placement import (
     PlacementStrategy,
 )
 from rlcomm.settings import get_settings
-from rlcomm.worker.actor import (
-    catch_failure_default,
-    public_methods,
-)
-from rlcomm.worker.configure import (
-    CONFIGURE_HOOK,
-    unwrap_ray_remote,
-)
+from rlcomm.worker.actor import catch_failure_default, group_methods
+from rlcomm.worker.configure import unwrap_ray_remote
 from rlcomm.worker.dispatch import check_signature
 from rlcomm.worker.launch import check_launch_args, start_actors
 from rlcomm.worker.layout import RankLayout
@@ -78,7 +72,10 @@ class _RankSelection:
 
     def __getattr__(self, name: str) -> _GroupMethod:
         if name not in self._group._methods:
-            raise AttributeError(f"{self._group.worker_cls_name} has no public method {name!r}")
+            raise AttributeError(
+                f"{self._group.worker_cls_name} has no group method {name!r} (a group offers "
+                "the public methods a Worker subclass adds, and gpu_info)"
+            )
         ranks, self._ranks = self._ranks, None
         return _GroupMethod(self._group, name, ranks)
 
@@ -86,12 +83,22 @@ class _RankSelection:
 class WorkerGroup(Generic[W]):
     """A group of workers of one class, one Ray actor per rank.
 
-    Made by ``Worker.create_group(*args, **kwargs)`` and started by :meth:`launch`. Every
-    public method of the worker class becomes a method of the group that runs on every
-    rank and returns a :class:`GroupResult`. NeMo-RL's calls (``run_all_workers_*``,
-    ``get_all_worker_results``, ``dp_size``, ...) read the group's rank layout (a
-    :class:`~rlcomm.worker.layout.RankLayout`: its sharding and tied workers); their
-    arguments are worked out by :mod:`rlcomm.worker.sharded_calls`.
+    Made by ``Worker.create_group(*args, **kwargs)`` and started by :meth:`launch`. A
+    group method runs on every rank (or, for one call, on the ranks named by
+    :meth:`execute_on`) and returns a :class:`GroupResult`. The group methods are:
+
+    - every public method (no leading ``_``) that the worker class adds to ``Worker``,
+      ``async def`` ones too, but ``configure_worker`` (a launch hook);
+    - ``gpu_info``, the one method of ``Worker`` itself that is a group method too (a
+      subclass's override of it is what runs).
+
+    The other methods of ``Worker`` (``send``, ``recv``, ``broadcast``,
+    ``create_channel``, ...) are not group methods, nor is a subclass's method of the
+    same name: they are called inside a worker. A worker class with a method named as
+    one of the group's own (``shutdown``, ``launch``, ...) cannot be launched.
+
+    NeMo-RL's calls (``run_all_workers_*``, ``get_all_worker_results``, ``dp_size``,
+    ...) read the group's rank layout: its sharding and its tied workers.
     """
 
     def __init__(self, worker_cls: type[W], args: tuple = (), kwargs: dict | None = None):
@@ -207,7 +214,7 @@ class WorkerGroup(Generic[W]):
         if self._actors or self._shut_down:
             raise WorkerGroupError(f"group {self._name} was launched already")
         check_launch_args(cluster, placement_strategy, name, max_concurrency, env_vars)
-        methods = [m for m in public_methods(self._worker_cls) if m != CONFIGURE_HOOK]
+        methods = group_methods(self._worker_cls)
         clashes = sorted(m for m in methods if hasattr(type(self), m))
         if clashes:
             raise WorkerGroupError(
@@ -385,7 +392,8 @@ class WorkerGroup(Generic[W]):
 
         Args:
             method_name: the worker method.
-            args, kwargs: its arguments.
+            *args: its positional arguments.
+            **kwargs: its keyword arguments.
             run_rank_0_only_axes: call only the workers at coordinate 0 along these axes.
 
         Returns:
@@ -417,7 +425,8 @@ class WorkerGroup(Generic[W]):
 
         Args:
             method_name: the worker method.
-            args, kwargs: per-worker (or per-tied-group) lists of arguments.
+            *args: per-worker (or per-tied-group) lists of positional arguments.
+            **kwargs: per-worker (or per-tied-group) lists of keyword arguments.
             run_rank_0_only_axes: call only the workers at coordinate 0 along these axes
                 (the entries of the others are ignored).
             common_kwargs: keyword arguments passed whole to every worker.
@@ -466,7 +475,8 @@ class WorkerGroup(Generic[W]):
 
         Args:
             method_name: the worker method.
-            args, kwargs: the sharded data.
+            *args: the sharded data, as positional arguments.
+            **kwargs: the sharded data, as keyword arguments.
             in_sharded_axes: axes the data is split along.
             replicate_on_axes: axes the data is replicated along.
             output_is_replicated: axes along which the outputs are equal (return one).
@@ -537,7 +547,7 @@ class WorkerGroup(Generic[W]):
             ray.get_actor(actor_name(group_name, r), namespace=RLCOMM_NAMESPACE)
             for r in range(info["world_size"])
         ]
-        group._methods = {m for m in public_methods(group._worker_cls) if m != CONFIGURE_HOOK}
+        group._methods = set(group_methods(group._worker_cls))
         group._master_addr, group._master_port = info.get("master", (None, None))
         group._layout = RankLayout(info["world_size"])
         group._bind_methods()

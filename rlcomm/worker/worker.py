@@ -450,14 +450,24 @@ class Worker:
                                     bucket_bytes)
 
     def gpu_info(self) -> dict[str, Any]:
-        """What this worker uses of the GPUs: ``device`` (its current CUDA device
-        index), ``gpu`` (that GPU's UUID, the same in every process), ``visible`` (the
-        UUIDs of the GPUs it sees) and ``mps`` (whether an NVIDIA MPS daemon serves it).
+        """What this worker uses of the GPUs, as a dict: ``device`` (its current CUDA
+        device index), ``gpu`` (that GPU's UUID, the same in every process), ``visible``
+        (the sorted UUIDs of the GPUs it sees) and ``mps`` (whether an NVIDIA MPS daemon
+        serves it, a bool).
 
-        Workers on one GPU whose ``gpu`` is equal talk over CUDA IPC; under MPS their
-        hand-offs cost about a tenth (see the README's GPU section). The GPU fields are
-        ``None``/empty until the worker has used CUDA (asking does not initialize it).
-        Call it on a group to see the whole job: ``group.gpu_info().wait()``.
+        ``device`` and ``gpu`` are ``None`` and ``visible`` is empty where CUDA is not
+        available, or until this process has used CUDA (asking does not initialize it).
+        Two workers whose ``gpu`` is equal talk over CUDA IPC.
+
+        Under MPS, the processes on a GPU share one context. How much that saves was
+        measured only outside rlcomm, as a floor: two bare processes with their
+        buffers and CUDA events opened once, signalling through a flag in host shared
+        memory. rlcomm's own cost per CUDA message under MPS has not been measured (see
+        the GPU guide, ``docs/gpu.md``).
+
+        A group has this method too (see :class:`WorkerGroup`):
+        ``group.gpu_info().wait()`` gives one dict per rank, and
+        ``group.execute_on(0).gpu_info().wait()`` rank 0's alone.
         """
         from rlcomm.comm.transports.gpus import gpu_info
 
@@ -479,7 +489,7 @@ class Worker:
         item_type: Any = None,
     ) -> Channel:
         """Create a new channel and return a handle on it; the arguments are those of
-        :meth:`rlcomm.Channel.create` (seed name: ``Worker.create_channel``).
+        :meth:`rlcomm.Channel.create` (RLinf's ``Worker.create_channel``).
 
         Raises:
             ChannelError: a channel of that name exists already.
