@@ -16,6 +16,7 @@ Run: ``python examples/asyncio_pipeline.py [--items 400] [--sink-delay-ms 2]``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import time
 from dataclasses import dataclass
@@ -57,14 +58,15 @@ class Generator(Worker):
                      for r in range(num_scorers)]
             for work in sends:
                 await work.async_wait()
-            out = self.connect_channel("pipe_prompts")
+            # Connecting and qsize() block (Ray calls, a round trip): off the loop.
+            out = await asyncio.to_thread(self.connect_channel, "pipe_prompts")
             start, deepest = time.monotonic(), 0
             for i in range(items):
                 await out.aput(Prompt(i, time.time(), torch.randn(dim)))
                 if i % 16 == 0:
-                    deepest = max(deepest, out.qsize())
+                    deepest = max(deepest, await asyncio.to_thread(out.qsize))
             elapsed = time.monotonic() - start
-            out.close()  # the scorers' streams end once they drained it
+            await out.aclose()  # the scorers' streams end once they drained it
             return {"stage": "generator", "items": items, "seconds": elapsed,
                     "deepest_queue": deepest, "loop": type(_loop()).__module__}
 
@@ -81,8 +83,8 @@ class Scorer(Worker):
     def run(self) -> dict:
         async def main() -> dict:
             weights = await self.recv(GEN, 0, async_op=True).async_wait()
-            source = self.connect_channel("pipe_prompts")
-            sink = self.connect_channel("pipe_scored")
+            source = await asyncio.to_thread(self.connect_channel, "pipe_prompts")
+            sink = await asyncio.to_thread(self.connect_channel, "pipe_scored")
             n, start = 0, time.monotonic()
             async for prompt in source.stream():
                 score = torch.tanh(prompt.features @ weights)
@@ -97,14 +99,13 @@ class Scorer(Worker):
 class Sink(Worker):
     def run(self, delay_s: float) -> dict:
         async def main() -> dict:
-            import asyncio
-
-            source = self.connect_channel("pipe_scored")
+            source = await asyncio.to_thread(self.connect_channel, "pipe_scored")
             latencies, n, start, deepest = [], 0, time.monotonic(), 0
             async for item in source.stream():
                 await asyncio.sleep(delay_s)  # a slow consumer
                 latencies.append(time.time() - item.created)
-                deepest = max(deepest, source.qsize()) if n % 16 == 0 else deepest
+                if n % 16 == 0:
+                    deepest = max(deepest, await asyncio.to_thread(source.qsize))
                 n += 1
             return {"stage": "sink", "items": n, "seconds": time.monotonic() - start,
                     "latencies": latencies, "deepest_queue": deepest}

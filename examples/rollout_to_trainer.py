@@ -152,9 +152,9 @@ class Trainer(Worker):
         self.version = 0
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        state = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
-        state["__version__"] = torch.tensor(self.version)
-        return state
+        """The live parameters (no copy): the broadcast reads them while the next
+        gradients are computed, and the optimizer waits for it before changing them."""
+        return dict(self.policy.state_dict(), __version__=torch.tensor(self.version))
 
     def train(self, iterations: int, episodes_per_rank: int, num_rollout: int,
               solved_window: int) -> dict[str, float]:
@@ -178,6 +178,8 @@ class Trainer(Worker):
             for p in params:  # data-parallel: average gradients across trainer ranks
                 dist.all_reduce(p.grad)
                 p.grad /= self._world_size
+            if sent is not None:
+                sent.wait()  # the last broadcast has read the parameters: they may change
             self.opt.step()
             self.version += 1
             # Statistics, summed over the ranks.
@@ -198,8 +200,6 @@ class Trainer(Worker):
             recent = sum(history[-solved_window:]) / len(history[-solved_window:])
             solved = len(history) >= solved_window and recent >= SOLVED
             if self._rank == 0:
-                if sent is not None:
-                    sent.wait()  # the previous weights reached every rollout worker
                 sent = self.broadcast(self._weights(), groups=groups, src=(TRAINER, 0),
                                       async_op=True)
                 self.metrics.put({

@@ -10,7 +10,8 @@ What it shows:
 - after each update the trainer ``broadcast``s its state dict in buckets
   (``bucket_bytes``); every engine rank takes it as an iterator of ``(name, tensor)``
   (``into=rlcomm.Buckets(transform=...)``, the shape of vLLM's
-  ``model.load_weights(weights)``), asks for just its shards (``shards=``: only those
+  ``model.load_weights(weights)``, though vLLM's own loader wants whole, unfused
+  tensors and slices them itself), asks for just its shards (``shards=``: only those
   bytes are read out of shared memory), and loads each tensor as soon as it is whole,
   while later buckets are still on their way; the transform renames and fuses;
 - every rank checks every value it loaded against the trainer's (both make the weights

@@ -16,8 +16,8 @@ workers, policy, seeds and settings:
   ``async_op=True`` and waits for that broadcast before its next optimizer step (the
   broadcast reads the parameters while it copies them), as the weight-sync guide
   advises;
-- ``rlcomm, clone``: the same channel; the weights as the demo sends them: a clone of
-  the state dict, broadcast with ``async_op=True`` after waiting for the previous one;
+- ``rlcomm, clone``: the same channel; the weights as a clone of the state dict each
+  update, broadcast with ``async_op=True`` after waiting for the previous one;
 - ``rlcomm, rlcomm.empty``: the same, with the state dict copied into a new block of
   handed-over memory (``rlcomm.empty``) instead of a clone, so the broadcast itself
   copies nothing;
@@ -320,7 +320,7 @@ class RlcommTrainer(Learner, Worker):
 
     def _staged(self, how: str) -> dict[str, torch.Tensor]:
         """The weights to send. ``live``: the parameters themselves (the broadcast copies
-        them; the optimizer waits for it). ``clone``: a copy, as the demo makes.
+        them; the optimizer waits for it). ``clone``: a fresh copy each update.
         ``handover``: a copy into a new block of handed-over memory (a sender must not
         write to memory it handed over, so each version gets its own)."""
         state = self.policy.state_dict()

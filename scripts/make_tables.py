@@ -372,31 +372,25 @@ def render_codec() -> str:
 # -- scripts/bench_gpu.py ----------------------------------------------------------------
 
 
-def render_gpu() -> str:
-    data = load("bench_gpu.json")
-    run = data.get("after", data)
-    recs = run["records"]
-    sizes = sorted({r["bytes"] for r in recs})
-    by = {(r["path"], r["bytes"]): r["GB/s"] for r in recs}
-    paths = list(dict.fromkeys(r["path"] for r in recs))
-    rows = []
-    for p in paths:
-        cells = []
-        for s in sizes:
-            gbps = by.get((p, s))
-            if gbps is None:
-                cells.append("-")
-            elif s < MIB:  # a small message: its time says more than its rate
-                secs = s / (gbps * 1e9)
-                cells.append(f"{num(secs * 1e3)} ms" if secs >= 1e-3 else f"{num(secs * 1e6)} µs")
-            else:
-                cells.append(num(gbps))
-        label = "device copy inside one process (the bound)" if p == "local copy" else p
-        rows.append([label] + cells)
-    header = [f"CUDA IPC, {run.get('gpus', 1)} GPU, GB/s (time per message when small)"]
-    return (f"*One run of `scripts/bench_gpu.py --gpus {run.get('gpus', 1)}` on "
-            f"{machine_of(data)}; `docs/bench_gpu.json`.*\n\n"
-            + table(header + [size(s) for s in sizes], rows))
+def render_gpu_sync() -> str:
+    """The weight sync and per-message figures of one run on a lent GPU machine."""
+    data = load("bench_gpu_sync.json")
+    ns = sorted({r["receivers"] for r in data["sync"]})
+    by = {(r["path"], r["receivers"]): r["ms"] for r in data["sync"]}
+    paths = list(dict.fromkeys(r["path"] for r in data["sync"]))
+    bound = next(p for p in paths if p.startswith("bound"))
+    handles = next(p for p in paths if p.startswith("CUDA IPC handles"))
+    rows = [[p] + [num(by[p, n]) if (p, n) in by else "-" for n in ns] for p in paths]
+    broadcast = paths[0]
+    rows.append([f"{broadcast}: times the bound"]
+                + [ratio(by[broadcast, n] / by[bound, n]) for n in ns])
+    rows.append([f"{broadcast}: handles through Ray ÷ rlcomm (> 1: rlcomm faster)"]
+                + [ratio(by[handles, n] / by[broadcast, n]) for n in ns])
+    msgs = table(["per message, one GPU", "µs"],
+                 [[r["path"], num(r["us"])] for r in data["message"]])
+    return (f"*One run on {data['machine']}; `docs/bench_gpu_sync.json`. {data['note']}*\n\n"
+            + table(["ms, 1 GiB bf16 state dict"] + [f"N = {n}" for n in ns], rows)
+            + "\n\n" + msgs)
 
 
 # -- scripts/bench_loop.py ---------------------------------------------------------------
@@ -414,34 +408,32 @@ def _policy_label(run: dict[str, Any]) -> str:
 
 
 def loop_table(data: dict[str, Any]) -> str:
-    """The full table of one ``bench_loop.py`` run (also printed by the script)."""
+    """The full table of one ``bench_loop.py`` run (also printed by the script): each
+    figure the median of the rounds with their range, then each loop's ratio to plain
+    Ray, as rlcomm ÷ Ray (> 1: rlcomm better), with the range of the rounds' ratios
+    (round i of a loop against round i of plain Ray; the loops ran in alternating order)."""
     runs = _loop_runs(data)
     policies = list(dict.fromkeys(p for p, _ in runs))
     loops = list(dict.fromkeys(lp for _, lp in runs))
+    keys = (("env_steps_per_s", True), ("update_ms", False), ("weight_sync_ms", False),
+            ("cpu_s_per_1k_steps", False))
     rows = []
     for policy in policies:
         for loop in loops:
             run = runs.get((policy, loop))
             if run is None:
                 continue
-            s = run["summary"]
-            rows.append([_policy_label(run), loop, _with_spread(run, "env_steps_per_s"),
-                         num(s["update_ms"]),
-                         num(s["weight_sync_ms"]), num(s.get("cpu_s_per_1k_steps")),
-                         num(s["steps_per_update"])])
+            rows.append([_policy_label(run), loop]
+                        + [_with_spread(run, key) for key, _ in keys]
+                        + [num(run["summary"]["steps_per_update"])])
         base = runs.get((policy, "plain Ray"))
         for loop in loops:
             run = runs.get((policy, loop))
             if loop == "plain Ray" or run is None or base is None:
                 continue
-            s, b = run["summary"], base["summary"]
-            rows.append(["", f"{loop} over plain Ray",
-                         ratio(s["env_steps_per_s"] / b["env_steps_per_s"]),
-                         ratio(_lower_better(s, b, "update_ms")),
-                         ratio(_lower_better(s, b, "weight_sync_ms")),
-                         ratio(_lower_better(s, b, "cpu_s_per_1k_steps")), ""])
-    return table(["policy", "loop", "env steps/s (range of the rounds)", "update, ms",
-                  "weight sync, ms",
+            rows.append(["", f"{loop} ÷ plain Ray"]
+                        + [_ratio_spread(run, base, key, higher) for key, higher in keys] + [""])
+    return table(["policy", "loop", "env steps/s", "update, ms", "weight sync, ms",
                   "CPU s per 1000 env steps", "env steps per update"], rows)
 
 
@@ -452,10 +444,22 @@ def _with_spread(run: dict[str, Any], key: str) -> str:
     return f"{text} ({num(min(values))}-{num(max(values))})" if len(values) > 1 else text
 
 
-def _lower_better(ours: dict[str, Any], base: dict[str, Any], key: str) -> float | None:
-    """How many times less ``key`` (a time or a cost) rlcomm took than the baseline."""
-    a, b = ours.get(key), base.get(key)
-    return b / a if a and b else None
+def _better(ours: float | None, theirs: float | None, higher: bool) -> float | None:
+    """How many times better ``ours`` is than ``theirs`` (> 1: ours better)."""
+    if not ours or not theirs:
+        return None
+    return ours / theirs if higher else theirs / ours
+
+
+def _ratio_spread(run: dict[str, Any], base: dict[str, Any], key: str, higher: bool) -> str:
+    """The ratio of the medians, and the range of the paired rounds' ratios."""
+    text = ratio(_better(run["summary"].get(key), base["summary"].get(key), higher))
+    pairs = [_better(a["summary"].get(key), b["summary"].get(key), higher)
+             for a, b in zip(run.get("rounds", []), base.get("rounds", []))]
+    pairs = [v for v in pairs if v is not None]
+    if len(pairs) > 1:
+        text += f" ({min(pairs):.1f}-{max(pairs):.1f})"
+    return text
 
 
 def render_loop() -> str:
@@ -466,48 +470,20 @@ def render_loop() -> str:
              f"{a['updates']} updates of which the first {a['warmup']} are not timed"
              + (f"; {rounds} rounds of each loop in alternating order, medians" if rounds > 1
                 else "") + ")")
-    return caption("bench_loop.py", "bench_loop.json", data, extra) + loop_table(data)
-
-
-def render_readme_loop() -> str:
-    data = load("bench_loop.json")
-    runs = _loop_runs(data)
-    policies = list(dict.fromkeys(p for p, _ in runs))
-    loops = [lp for lp in dict.fromkeys(lp for _, lp in runs) if lp == "rlcomm"]
-    rows = []
-    for policy in policies:
-        base = runs.get((policy, "plain Ray"))
-        if base is None:
-            continue
-        for key, label, higher in (("env_steps_per_s", "env steps/s", True),
-                                   ("update_ms", "update, ms", False),
-                                   ("weight_sync_ms", "weight sync, ms", False),
-                                   ("cpu_s_per_1k_steps", "CPU s per 1000 env steps", False)):
-            if base["summary"].get(key) is None:
-                continue
-            cells = [num(base["summary"][key])]
-            for loop in loops:
-                run = runs.get((policy, loop))
-                if run is None or run["summary"].get(key) is None or not base["summary"][key]:
-                    cells.append("-")
-                    continue
-                ours, theirs = run["summary"][key], base["summary"][key]
-                cells.append(f"{num(ours)} ({ratio(ours / theirs if higher else theirs / ours)})")
-            rows.append([f"{policy} policy: {label}"] + cells)
-    header = ["the demo's RL loop", "plain Ray", "rlcomm"]
-    return (f"*`scripts/bench_loop.py`, one run on {machine_of(data, load=False)}; in parentheses, how "
-            f"many times better than plain Ray. The full table, with the demo's own way of "
-            f"sending weights and with `rlcomm.empty`, is in "
-            f"[docs/performance.md](docs/performance.md#end-to-end-the-rl-loop).*\n\n"
-            + table(header, rows))
+    return (caption("bench_loop.py", "bench_loop.json", data, extra)
+            + "*The rows \"÷ plain Ray\" are ratios, > 1 where the loop did better than "
+            "plain Ray (more steps/s, fewer ms, less CPU): the ratio of the medians, then "
+            "the range of the rounds' ratios.*\n\n" + loop_table(data))
 
 
 # -- the README's comparison table -------------------------------------------------------
 
 
 def measured_rows() -> list[list[str]]:
-    """The comparison table's measured rows: `bench_flows.py`, one run, RLinf and Ray
-    beside rlcomm (verl and NeMo-RL move data through Ray's object store)."""
+    """The comparison table's measured rows. On CPUs: `bench_flows.py`, one run, RLinf and
+    plain Ray beside rlcomm (verl and NeMo-RL pass rollout data through Ray's object store,
+    and sync weights only on GPUs, by CUDA IPC handles or NCCL), and `bench_multinode.py`.
+    On one GPU: the lent machine's run, rlcomm beside CUDA IPC handles through Ray."""
     data = load("bench_flows.json")
     sync = _flows_sync(data)
     n = max(r for _, r in sync)
@@ -525,18 +501,32 @@ def measured_rows() -> list[list[str]]:
         v = stream.get((path, "1 KiB", "one"))
         return f"{num(v)}/s" if v else "-"
 
+    gpu_only = "GPU only (CUDA IPC handles or NCCL)"
     return [
-        [f"Measured: weight sync, {mib} MiB to {n} workers of one node",
-         ms("rlinf broadcast"), f"Ray: {ms('ray zero-copy')}", f"Ray: {ms('ray zero-copy')}",
-         f"{ms('rlcomm broadcast')}; {ms('rlcomm broadcast, rlcomm.empty')} with `rlcomm.empty`"],
+        [f"Measured: weight sync, {mib} MiB to {n} workers of one node, CPU",
+         ms("rlinf broadcast"), gpu_only, gpu_only,
+         f"{ms('rlcomm broadcast')}; {ms('rlcomm broadcast, rlcomm.empty')} with `rlcomm.empty` "
+         f"(plain Ray: {ms('ray zero-copy')})"],
         ["Measured: a 1 GiB rollout dict, producer to consumer (warm)",
          warm("rlinf send/recv"), f"Ray: {warm('ray zero-copy')}", f"Ray: {warm('ray zero-copy')}",
          warm("rlcomm send/recv")],
         ["Measured: a channel of 1 KiB items, one put and one get at a time",
-         items("rlinf channel"), f"Ray queue: {items('ray.util.queue')}",
-         f"Ray queue: {items('ray.util.queue')}", items("rlcomm channel")],
+         items("rlinf channel"), "-", "-",
+         f"{items('rlcomm channel')} (a Ray queue: {items('ray.util.queue')})"],
         multinode_row(),
+        gpu_row(),
     ]
+
+
+def gpu_row() -> list[str]:
+    """Weight sync on one GPU from the lent machine's run, beside IPC handles through Ray."""
+    data = load("bench_gpu_sync.json")
+    n = max(r["receivers"] for r in data["sync"])
+    at = {r["path"]: r["ms"] for r in data["sync"] if r["receivers"] == n}
+    ours = next(v for p, v in at.items() if p.startswith("rlcomm broadcast"))
+    handles = next(v for p, v in at.items() if p.startswith("CUDA IPC handles"))
+    return [f"Measured: weight sync, 1 GiB bf16 to {n} workers on one GPU (H200)", "-",
+            f"IPC handles through Ray: {num(handles)} ms", "-", f"{num(ours)} ms"]
 
 
 def multinode_row() -> list[str]:
@@ -551,8 +541,9 @@ def multinode_row() -> list[str]:
         "bound: one node-to-node send"]
     return [f"Measured: weight sync, {mib} MiB from one node to {n - 1} others, "
             f"{data['args']['rate'].replace('gbit', ' Gbit/s').replace('mbit', ' Mbit/s')} links",
-            "-", f"Ray: {num(ray_s)} s", f"Ray: {num(ray_s)} s",
-            f"{num(pipe)} s ({pipe / bound:.2f}x one node-to-node transfer)"]
+            "-", "GPU only (NCCL)", "GPU only (NCCL)",
+            f"{num(pipe)} s, {pipe / bound:.2f}x one node-to-node transfer "
+            f"(plain Ray: {num(ray_s)} s)"]
 
 
 def rewrite_compare(body: str) -> str:
@@ -570,10 +561,9 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "multinode-sync": render_multinode_sync,
     "channel": render_channel,
     "flows": render_flows,
-    "gpu": render_gpu,
+    "gpu-sync": render_gpu_sync,
     "codec": render_codec,
     "loop": render_loop,
-    "readme-loop": render_readme_loop,
 }
 
 

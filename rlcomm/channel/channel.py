@@ -58,11 +58,13 @@ class Channel:
       that process is the key's one consumer and no other get waits; the next gets
       there take them without a round trip (``qsize`` counts them). Items not taken
       within 50 ms go back to the head of the key. If another consumer got later items
-      of the key meanwhile, it may then get those after them: the one case in which a
-      consumer sees a producer's items out of order.
-    - Write-behind puts: on an unbounded channel (``maxsize=0``) whose worker shares
-      this node, a blocking ``put`` returns without waiting for the worker's answer
-      (see :meth:`put`); :meth:`flush` waits until the worker holds them all.
+      of the key meanwhile, it may then get those after them, and so see a producer's
+      items out of order. Items on their way to a cancelled ``aget`` or to a dead
+      consumer go back to the head the same way.
+    - Write-behind puts: on an unbounded channel (``maxsize=0``) whose worker (the
+      key's, for a distributed channel) shares this node and is reached over shared
+      memory, a blocking ``put`` returns without waiting for the worker's answer (see
+      :meth:`put`); :meth:`flush` waits until the worker holds them all.
     - ``close()``: waiting and later puts raise :class:`~rlcomm.ChannelClosedError`;
       gets drain what is queued (a waiting ``get_batch`` gets the rest as a partial
       batch), then raise :class:`~rlcomm.ChannelClosedError`; ``stream()`` ends.
@@ -207,10 +209,15 @@ class Channel:
 
         On a channel with a bound (``maxsize`` > 0) this returns once the channel worker
         accepted the item, or raises. On an unbounded channel a channel worker never
-        refuses an item for room, so ``put`` is *write-behind*: it returns once the item
-        is on its way to the worker, applied in order after this process's earlier
-        requests, with no round trip to wait for (set ``RLCOMM_CHANNEL_WRITE_BEHIND=0``
-        to wait all the same). Then:
+        refuses an item for room, so ``put`` is *write-behind* where this process
+        reaches the channel worker that holds ``key`` over shared memory (a worker on
+        this node, an x86-64 Linux one): it returns once the item is on its way to the
+        worker, applied in order after this process's earlier requests, with no round
+        trip to wait for. Elsewhere (the key's worker is on another node, as a
+        distributed channel's may be) a put waits for the worker's answer, as on a
+        bounded channel; so does every put when ``RLCOMM_CHANNEL_WRITE_BEHIND=0`` was set
+        before rlcomm was imported. ``client_stats(key)["writes_behind"]`` says which
+        applies. After a write-behind put:
 
         - this process's later requests (``get``, ``qsize``, ``close``, ...) see it;
         - a worker method that put it returns only once the worker holds it, and a
@@ -228,10 +235,11 @@ class Channel:
             key: the queue within the channel.
             async_op: return an :class:`~rlcomm.AsyncWork` (``wait()`` returns ``None``
                 once the item is accepted) instead of blocking. Puts posted in a row
-                travel together; do not modify the item's tensors until it is done. On
-                an unbounded channel an item without tensors is written behind as
-                above and its work is done at once; such puts wait a moment (at most
-                about 0.2 ms) for later requests to share their message.
+                travel together; do not modify the item's tensors until it is done.
+                Where puts are written behind (as above), an item without tensors is
+                written behind too and its work is done at once; such puts wait a
+                moment (at most about 0.2 ms) for later requests to share their
+                message.
             timeout: seconds to wait for room on a full key (default: rlcomm's op timeout).
 
         Raises:

@@ -14,7 +14,7 @@ Items no get of this process took for :data:`PREFETCH_LINGER` seconds go back to
 head of their key (one ``Requeue``), so a process that stopped getting holds none for
 long: one thread per process (:class:`_Returner`) looks every so often, while any link
 holds items. If another consumer got later items of the key meanwhile, it may get these
-after them: the one case where items reach a consumer out of order.
+after them, out of order (as with items given back after a cancelled ``aget``).
 """
 
 from __future__ import annotations
