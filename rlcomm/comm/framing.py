@@ -33,8 +33,9 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
     """The frame of a message and the payload tensors that follow it (as uint8 views).
 
     Sets ``header.inline``: a CPU payload of at most :data:`INLINE_BYTES` rides in the
-    frame and the payload list is then empty (unless the message streams in buckets). CUDA payloads never ride inline; their
-    tensors are returned as they are, for the accelerator transport.
+    frame and the payload list is then empty, unless the message streams in buckets.
+    CUDA payloads never ride inline; their tensors are returned as they are, for the
+    accelerator transport.
     """
     on_cuda = bool(tensors) and tensors[0].is_cuda
     total = sum(t.numel() * t.element_size() for t in tensors)
