@@ -393,6 +393,20 @@ def render_gpu_sync() -> str:
             + "\n\n" + msgs)
 
 
+def render_gpu_handoff() -> str:
+    """One small CUDA message between two processes of one GPU, with and without MPS:
+    the bare hand-off floor (outside rlcomm) and rlcomm's own cost."""
+    data = load("bench_gpu_sync.json")
+    floor = data["handoff"]
+    rows = [[f"hand-off floor on {floor['machine']}: {floor['note']}",
+             f"about {floor['no_mps_us']} µs", f"about {floor['mps_us']} µs"]]
+    rows += [[f"rlcomm {r['path']}, two workers on {data['machine'].split(' (')[0]}",
+              f"{num(r['us'])} µs", "not measured"] for r in data["message"]]
+    return ("*From `docs/bench_gpu_sync.json`; the rlcomm rows are the run of "
+            "[Performance](performance.md#gpu).*\n\n"
+            + table(["what was measured", "without MPS", "under MPS"], rows))
+
+
 # -- scripts/bench_loop.py ---------------------------------------------------------------
 
 
@@ -562,6 +576,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "channel": render_channel,
     "flows": render_flows,
     "gpu-sync": render_gpu_sync,
+    "gpu-handoff": render_gpu_handoff,
     "codec": render_codec,
     "loop": render_loop,
 }
