@@ -37,12 +37,12 @@ starts to pay: ``RLCOMM_BCAST_CHAIN_MIN_BYTES``), and the chain's record size
 
 Needs root, ``ip`` and ``tc``; removes only what it made (its Ray nodes and the
 processes inside its own namespaces, by PID; its namespaces, by name; its temp
-directory). Writes the tables to stdout, and on request the records (``--json``), a
-figure of time against N (``--png``) and the figures section of the docs (``--md``,
-between its markers).
+directory). Writes the tables to stdout, and on request the records (``--json``) and a
+figure of time against N (``--png``); ``scripts/make_tables.py`` then writes the figures
+section of ``docs/multinode.md`` from the JSON.
 
     sudo .venv/bin/python scripts/bench_multinode.py --json docs/bench_multinode.json \\
-        --png docs/bench_multinode.png --md docs/multinode.md
+        --png docs/bench_multinode.png
 """
 
 from __future__ import annotations
@@ -64,17 +64,23 @@ sys.path.insert(0, ROOT)
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+from make_tables import (  # noqa: E402  (this script's folder is on sys.path)
+    BOUND,
+    MULTINODE_WAYS,
+    PIPELINED,
+    RAY,
+    STAR,
+    _mn_get,
+    multinode_acceptance,
+    multinode_tables,
+)
+from make_tables import size as size_label  # noqa: E402
 
 from rlcomm import Worker, update_settings  # noqa: E402
 
 GROUP = "bench_mn"
-PIPELINED, STAR, RAY, BOUND = (
-    "rlcomm pipelined", "rlcomm star (Gloo)", "Ray object store", "bound: one node-to-node send",
-)
 SYNC_GROUP = "bench_mn_sync"
 STREAMED, STREAMED_BOUND = "rlcomm streamed (into=)", "bound: one send (into=)"
-WAYS = [PIPELINED, STAR, RAY, BOUND]
-MD_BEGIN, MD_END = "<!-- bench_multinode:begin -->", "<!-- bench_multinode:end -->"
 MIB = 1 << 20
 #: The chain stays on for every size with this; the star is taken with ``NEVER``.
 ALWAYS, NEVER = 1, 1 << 62
@@ -287,7 +293,7 @@ def _inner(spec: dict) -> dict:
     for n in spec["counts"]:
         if n > nodes:
             continue
-        measure(WAYS, n, {"sweep": "nodes", "bytes": size, "chunk": chunk}, spec["repeats"])
+        measure(MULTINODE_WAYS, n, {"sweep": "nodes", "bytes": size, "chunk": chunk}, spec["repeats"])
     for mib in spec["switch_mib"]:
         got = workers.execute_on(0).make(mib, spec["tensors"]).wait(timeout=wait)[0]
         for n in spec["switch_nodes"]:
@@ -353,116 +359,6 @@ def _sync_sweep(spec: dict, cluster: Any, by_ip: dict, records: list[dict], log:
 # -- outside: the cluster, the tables, the files ------------------------------------------------
 
 
-def _get(records: list[dict], sweep: str, way: str, **match: Any) -> float | None:
-    for r in records:
-        if r["sweep"] == sweep and r["way"] == way and all(r.get(k) == v for k, v in match.items()):
-            return r["median"]
-    return None
-
-
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _size(n: int) -> str:
-    return f"{n / MIB:g} MiB" if n >= MIB else f"{n / 1024:g} KiB"
-
-
-def sync_table(result: dict) -> str:
-    """The weight sync at a real model's size (empty when it was not run)."""
-    from make_tables import multinode_sync_table
-
-    return multinode_sync_table(result)
-
-
-def tables(result: dict) -> str:
-    """The run's tables (markdown) and the acceptance figures under them."""
-    records, args = result["records"], result["args"]
-    if not any(r["sweep"] == "nodes" for r in records):
-        return sync_table(result)
-    counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
-    size = next((r["bytes"] for r in records if r["sweep"] == "nodes"), 0)
-    lines = [
-        f"Seconds until the last of the N - 1 receiving nodes holds the {_size(size)} state "
-        f"dict ({args['tensors']} float32 tensors), median of {args['repeats']} rounds "
-        f"(first round in brackets), links shaped to {args['rate']} each way:",
-        "",
-        "| N (nodes) | " + " | ".join(str(n) for n in counts) + " |",
-        "| --- |" + " --- |" * len(counts),
-    ]
-    for way in WAYS:
-        cells = []
-        for n in counts:
-            med = _get(records, "nodes", way, nodes=n)
-            first = next((r["first"] for r in records if r["sweep"] == "nodes"
-                          and r["way"] == way and r["nodes"] == n), None)
-            cells.append("-" if med is None else f"{med:.2f} ({first:.2f})")
-        lines.append(f"| {way} | " + " | ".join(cells) + " |")
-    ratio = [("pipelined / bound", PIPELINED, BOUND), ("star / pipelined", STAR, PIPELINED),
-             ("Ray / pipelined", RAY, PIPELINED)]
-    for name, a, b in ratio:
-        cells = []
-        for n in counts:
-            x, y = _get(records, "nodes", a, nodes=n), _get(records, "nodes", b, nodes=n)
-            cells.append("-" if not x or not y else f"{x / y:.2f}x")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    growth = []
-    for prev, n in zip(counts, counts[1:]):
-        x, y = _get(records, "nodes", PIPELINED, nodes=n), _get(records, "nodes", PIPELINED,
-                                                                 nodes=prev)
-        growth.append("-" if not x or not y else f"{(x / y - 1) * 100:+.0f} %")
-    lines.append("| pipelined, change from N - 1 | - | " + " | ".join(growth) + " |")
-    sw = sorted({r["bytes"] for r in records if r["sweep"] == "switch"})
-    if sw:
-        lines += ["", "Where the chain starts to pay (`RLCOMM_BCAST_CHAIN_MIN_BYTES`): "
-                  "milliseconds, median:", "",
-                  "| payload | " + " | ".join(_size(b) for b in sw) + " |",
-                  "| --- |" + " --- |" * len(sw)]
-        for n in sorted({r["nodes"] for r in records if r["sweep"] == "switch"}):
-            for way in (PIPELINED, STAR):
-                lines.append(f"| {way}, N = {n} | " + " | ".join(_fmt(
-                    (_get(records, "switch", way, bytes=b, nodes=n) or 0) * 1e3, 1) for b in sw
-                ) + " |")
-    ch = sorted({r["chunk"] for r in records if r["sweep"] == "chunk"})
-    if ch:
-        n = max(r["nodes"] for r in records if r["sweep"] == "chunk")
-        lines += ["", f"The chain's record size (`RLCOMM_BCAST_CHUNK_BYTES`), {_size(size)} to "
-                  f"{n - 1} nodes, seconds, median:", "",
-                  "| record | " + " | ".join(_size(c) for c in ch) + " |",
-                  "| --- |" + " --- |" * len(ch),
-                  f"| {PIPELINED} | " + " | ".join(
-                      _fmt(_get(records, "chunk", PIPELINED, chunk=c), 3) for c in ch) + " |"]
-    sync = sync_table(result)
-    if sync:
-        lines += ["", sync]
-    return "\n".join(lines)
-
-
-def acceptance(result: dict) -> dict[str, Any]:
-    """The issue's acceptance figures from one run (None where a point is missing)."""
-    records = result["records"]
-    counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
-    last = counts[-1] if counts else None
-
-    def at(way: str, n: int | None) -> float | None:
-        return None if n is None else _get(records, "nodes", way, nodes=n)
-
-    pipe = {n: at(PIPELINED, n) for n in counts}
-    steps = [pipe[b] / pipe[a] - 1 for a, b in zip(counts, counts[1:]) if pipe[a] and pipe[b]]
-    out: dict[str, Any] = {"nodes": last}
-    p, bound, ray_t = at(PIPELINED, last), at(BOUND, last), at(RAY, last)
-    out["pipelined_over_bound"] = None if not p or not bound else p / bound
-    # The bound is measured at every N: the median of all its rounds, for one noisy point.
-    every = [x for r in records if r["sweep"] == "nodes" and r["way"] == BOUND
-             for x in r["samples"]]
-    out["bound_all_rounds"] = statistics.median(every) if every else None
-    out["pipelined_over_bound_all_rounds"] = (
-        None if not p or not every else p / statistics.median(every))
-    out["growth_per_node_max"] = max(steps) if steps else None
-    out["ray_over_pipelined"] = None if not p or not ray_t else ray_t / p
-    return out
-
-
 def plot(result: dict, out: str) -> None:
     import matplotlib
 
@@ -473,53 +369,22 @@ def plot(result: dict, out: str) -> None:
     counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     styles = {PIPELINED: "o-", STAR: "s--", RAY: "^:", BOUND: "k-"}
-    for way in WAYS:
-        ys = [_get(records, "nodes", way, nodes=n) for n in counts]
+    for way in MULTINODE_WAYS:
+        ys = [_mn_get(records, "nodes", way, nodes=n) for n in counts]
         if way == BOUND:
             ax.axhline(statistics.median([y for y in ys if y]), color="0.45", lw=1.2,
                        ls="--", label="one node-to-node transfer", zorder=0)
         else:
             ax.plot(counts, ys, styles[way], label=way)
-    size = next((r["bytes"] for r in records if r["sweep"] == "nodes"), 0)
+    nbytes = next((r["bytes"] for r in records if r["sweep"] == "nodes"), 0)
     ax.set_xlabel("nodes (the trainer's and N - 1 receiving nodes)")
     ax.set_ylabel("seconds until the last node holds it")
     ax.set_xticks(counts)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{_size(size)} state dict, links of {args['rate']} each way", fontsize=10)
+    ax.set_title(f"{size_label(nbytes)} state dict, links of {args['rate']} each way", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-
-
-def md_section(result: dict, png: str | None) -> str:
-    host = result["host"]
-    acc = acceptance(result)
-    fig = f"\n![time against N]({os.path.basename(png)})\n" if png else ""
-    return (
-        f"{MD_BEGIN}\n"
-        f"From one run of `scripts/bench_multinode.py` ({host['cpus']} cores, "
-        f"load average {host['load_before']} before the run and {host['load_after']} after it, "
-        f"Python {host['python']}):\n\n{tables(result)}\n\n"
-        f"At {acc['nodes']} nodes the pipelined broadcast took "
-        f"{_fmt(acc['pipelined_over_bound'])}x one node-to-node transfer measured beside it "
-        f"({_fmt(acc['pipelined_over_bound_all_rounds'])}x the median of all "
-        f"{_fmt(acc['bound_all_rounds'])} s transfers of the run), Ray's object store "
-        f"{_fmt(acc['ray_over_pipelined'])}x the pipelined broadcast; from one node count to "
-        f"the next the pipelined broadcast grew by at most "
-        f"{_fmt((acc['growth_per_node_max'] or 0) * 100, 0)} %.\n{fig}{MD_END}"
-    )
-
-
-def write_md(path: str, section: str) -> None:
-    with open(path) as f:
-        text = f.read()
-    if MD_BEGIN in text and MD_END in text:
-        head, rest = text.split(MD_BEGIN, 1)
-        text = head + section + rest.split(MD_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def _parse_list(kind: type) -> Any:
@@ -552,7 +417,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-only", action="store_true", help="run only that sync")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="write the figure (time against N) here")
-    parser.add_argument("--md", help="write the figures section into this docs page")
     parser.add_argument("--from-json", help="print (and write) the tables of an earlier run")
     parser.add_argument("--inner", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -644,15 +508,13 @@ def main(argv: list[str] | None = None) -> None:
             result = json.load(f)
     else:
         result = run_cluster(args)
-    print(tables(result))
-    print(json.dumps(acceptance(result)))
+    print(multinode_tables(result))
+    print(json.dumps(multinode_acceptance(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.png:
         plot(result, args.png)
-    if args.md:
-        write_md(args.md, md_section(result, args.png))
 
 
 if __name__ == "__main__":

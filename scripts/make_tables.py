@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -265,6 +266,135 @@ def multinode_sync_table(data: dict[str, Any]) -> str:
     if not all(r.get("checked", True) for r in sync):
         text += "\n\n**Some received values were wrong.**"
     return text
+
+
+PIPELINED, STAR, RAY, BOUND = (
+    "rlcomm pipelined", "rlcomm star (Gloo)", "Ray object store", "bound: one node-to-node send",
+)
+MULTINODE_WAYS = [PIPELINED, STAR, RAY, BOUND]
+
+
+def _mn_get(records: list[dict], sweep: str, way: str, **match: Any) -> float | None:
+    """The median of the record of ``sweep`` and ``way`` that matches (None: none)."""
+    for r in records:
+        if r["sweep"] == sweep and r["way"] == way and all(r.get(k) == v for k, v in match.items()):
+            return r["median"]
+    return None
+
+
+def _fixed(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def multinode_tables(result: dict) -> str:
+    """The run's tables (markdown) and the acceptance figures under them."""
+    records, args = result["records"], result["args"]
+    if not any(r["sweep"] == "nodes" for r in records):
+        return multinode_sync_table(result)
+    counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
+    nbytes = next((r["bytes"] for r in records if r["sweep"] == "nodes"), 0)
+    lines = [
+        f"Seconds until the last of the N - 1 receiving nodes holds the {size(nbytes)} state "
+        f"dict ({args['tensors']} float32 tensors), median of {args['repeats']} rounds "
+        f"(first round in brackets), links shaped to {args['rate']} each way:",
+        "",
+        "| N (nodes) | " + " | ".join(str(n) for n in counts) + " |",
+        "| --- |" + " --- |" * len(counts),
+    ]
+    for way in MULTINODE_WAYS:
+        cells = []
+        for n in counts:
+            med = _mn_get(records, "nodes", way, nodes=n)
+            first = next((r["first"] for r in records if r["sweep"] == "nodes"
+                          and r["way"] == way and r["nodes"] == n), None)
+            cells.append("-" if med is None else f"{med:.2f} ({first:.2f})")
+        lines.append(f"| {way} | " + " | ".join(cells) + " |")
+    ratio = [("pipelined / bound", PIPELINED, BOUND), ("star / pipelined", STAR, PIPELINED),
+             ("Ray / pipelined", RAY, PIPELINED)]
+    for name, a, b in ratio:
+        cells = []
+        for n in counts:
+            x, y = _mn_get(records, "nodes", a, nodes=n), _mn_get(records, "nodes", b, nodes=n)
+            cells.append("-" if not x or not y else f"{x / y:.2f}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    growth = []
+    for prev, n in zip(counts, counts[1:]):
+        x, y = _mn_get(records, "nodes", PIPELINED, nodes=n), _mn_get(records, "nodes", PIPELINED,
+                                                                 nodes=prev)
+        growth.append("-" if not x or not y else f"{(x / y - 1) * 100:+.0f} %")
+    lines.append("| pipelined, change from N - 1 | - | " + " | ".join(growth) + " |")
+    sw = sorted({r["bytes"] for r in records if r["sweep"] == "switch"})
+    if sw:
+        lines += ["", "Where the chain starts to pay (`RLCOMM_BCAST_CHAIN_MIN_BYTES`): "
+                  "milliseconds, median:", "",
+                  "| payload | " + " | ".join(size(b) for b in sw) + " |",
+                  "| --- |" + " --- |" * len(sw)]
+        for n in sorted({r["nodes"] for r in records if r["sweep"] == "switch"}):
+            for way in (PIPELINED, STAR):
+                lines.append(f"| {way}, N = {n} | " + " | ".join(_fixed(
+                    (_mn_get(records, "switch", way, bytes=b, nodes=n) or 0) * 1e3, 1) for b in sw
+                ) + " |")
+    ch = sorted({r["chunk"] for r in records if r["sweep"] == "chunk"})
+    if ch:
+        n = max(r["nodes"] for r in records if r["sweep"] == "chunk")
+        lines += ["", f"The chain's record size (`RLCOMM_BCAST_CHUNK_BYTES`), {size(nbytes)} to "
+                  f"{n - 1} nodes, seconds, median:", "",
+                  "| record | " + " | ".join(size(c) for c in ch) + " |",
+                  "| --- |" + " --- |" * len(ch),
+                  f"| {PIPELINED} | " + " | ".join(
+                      _fixed(_mn_get(records, "chunk", PIPELINED, chunk=c), 3) for c in ch) + " |"]
+    sync = multinode_sync_table(result)
+    if sync:
+        lines += ["", sync]
+    return "\n".join(lines)
+
+
+def multinode_acceptance(result: dict) -> dict[str, Any]:
+    """The figures the docs quote from one run (None where a point is missing)."""
+    records = result["records"]
+    counts = sorted({r["nodes"] for r in records if r["sweep"] == "nodes"})
+    last = counts[-1] if counts else None
+
+    def at(way: str, n: int | None) -> float | None:
+        return None if n is None else _mn_get(records, "nodes", way, nodes=n)
+
+    pipe = {n: at(PIPELINED, n) for n in counts}
+    steps = [pipe[b] / pipe[a] - 1 for a, b in zip(counts, counts[1:]) if pipe[a] and pipe[b]]
+    out: dict[str, Any] = {"nodes": last}
+    p, bound, ray_t = at(PIPELINED, last), at(BOUND, last), at(RAY, last)
+    out["pipelined_over_bound"] = None if not p or not bound else p / bound
+    # The bound is measured at every N: the median of all its rounds, for one noisy point.
+    every = [x for r in records if r["sweep"] == "nodes" and r["way"] == BOUND
+             for x in r["samples"]]
+    out["bound_all_rounds"] = statistics.median(every) if every else None
+    out["pipelined_over_bound_all_rounds"] = (
+        None if not p or not every else p / statistics.median(every))
+    out["growth_per_node_max"] = max(steps) if steps else None
+    out["ray_over_pipelined"] = None if not p or not ray_t else ray_t / p
+    return out
+
+
+def render_multinode() -> str:
+    return multinode_section(load("bench_multinode.json"))
+
+
+def multinode_section(data: dict[str, Any]) -> str:
+    """The figures section of ``docs/multinode.md``: ``bench_multinode.py``'s tables and
+    the figures the page quotes."""
+    host = data["host"]
+    acc = multinode_acceptance(data)
+    return (
+        f"*One run of `scripts/bench_multinode.py`: emulated nodes (network namespaces, "
+        f"`tc`-shaped links) on one {host['cpus']}-core machine, Python {host['python']}; "
+        f"`docs/bench_multinode.json`.*\n\n{multinode_tables(data)}\n\n"
+        f"At {acc['nodes']} nodes the pipelined broadcast took "
+        f"{_fixed(acc['pipelined_over_bound'])}x one node-to-node transfer measured beside it "
+        f"({_fixed(acc['pipelined_over_bound_all_rounds'])}x the median of all "
+        f"{_fixed(acc['bound_all_rounds'])} s transfers of the run), Ray's object store "
+        f"{_fixed(acc['ray_over_pipelined'])}x the pipelined broadcast; from one node count to "
+        f"the next the pipelined broadcast grew by at most "
+        f"{_fixed((acc['growth_per_node_max'] or 0) * 100, 0)} %."
+    )
 
 
 def render_multinode_sync() -> str:
@@ -551,8 +681,7 @@ def multinode_row() -> list[str]:
     n = max(r["nodes"] for r in nodes)
     at = {r["way"]: r["median"] for r in nodes if r["nodes"] == n}
     mib = nodes[0]["bytes"] // MIB
-    pipe, ray_s, bound = at["rlcomm pipelined"], at["Ray object store"], at[
-        "bound: one node-to-node send"]
+    pipe, ray_s, bound = at[PIPELINED], at[RAY], at[BOUND]
     return [f"Measured: weight sync, {mib} MiB from one node to {n - 1} others, "
             f"{data['args']['rate'].replace('gbit', ' Gbit/s').replace('mbit', ' Mbit/s')} links",
             "-", "GPU only (NCCL)", "GPU only (NCCL)",
@@ -572,6 +701,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "copy": render_copy,
     "broadcast": render_broadcast,
     "weight-sync": render_weight_sync,
+    "multinode": render_multinode,
     "multinode-sync": render_multinode_sync,
     "channel": render_channel,
     "flows": render_flows,

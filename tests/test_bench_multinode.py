@@ -1,5 +1,6 @@
-"""scripts/bench_multinode.py: its tables, acceptance figures and docs section from known
-records (the run itself needs root and minutes: it is not a test)."""
+"""scripts/bench_multinode.py's tables, the figures the docs quote and the docs section
+(scripts/make_tables.py renders them) from known records (the run itself needs root and
+minutes: it is not a test)."""
 
 from __future__ import annotations
 
@@ -34,16 +35,16 @@ def _result() -> dict:
 
 
 def test_tables_and_acceptance_from_known_records():
-    import bench_multinode as bm
+    import make_tables
 
     result = _result()
-    out = bm.tables(result)
+    out = make_tables.multinode_tables(result)
     assert "| N (nodes) | 2 | 3 | 5 |" in out
     assert "| pipelined / bound | 1.00x | 1.05x | 1.16x |" in out
     assert "| Ray / pipelined | 1.05x | 2.00x | 4.00x |" in out
     assert "| pipelined, change from N - 1 | - | +5 % | +5 % |" in out
     assert "| rlcomm star (Gloo), N = 5 | 12.0 |" in out
-    acc = bm.acceptance(result)
+    acc = make_tables.multinode_acceptance(result)
     assert acc["nodes"] == 5
     assert abs(acc["pipelined_over_bound"] - 2.2 / 1.9) < 1e-9
     assert abs(acc["pipelined_over_bound_all_rounds"] - 2.2 / 2.0) < 1e-9
@@ -51,13 +52,11 @@ def test_tables_and_acceptance_from_known_records():
     assert abs(acc["ray_over_pipelined"] - 4.0) < 1e-9
 
 
-def test_docs_section_goes_between_its_markers(tmp_path):
-    import bench_multinode as bm
+def test_the_docs_section_quotes_the_run():
+    import make_tables
 
-    page = tmp_path / "multinode.md"
-    page.write_text(f"# Multi-node\n\nhand-written\n\n{bm.MD_BEGIN}\nstale table\n{bm.MD_END}\n\ntail\n")
-    bm.write_md(str(page), bm.md_section(_result(), "bench_multinode.png"))
-    text = page.read_text()
-    assert text.startswith("# Multi-node\n\nhand-written\n\n") and text.endswith("\n\ntail\n")
-    assert "stale table" not in text and text.count(bm.MD_BEGIN) == 1
-    assert "![time against N](bench_multinode.png)" in text
+    text = make_tables.multinode_section(_result())
+    assert text.startswith("*One run of `scripts/bench_multinode.py`")
+    assert "| N (nodes) | 2 | 3 | 5 |" in text
+    assert "At 5 nodes the pipelined broadcast took 1.16x one node-to-node transfer" in text
+    assert "grew by at most 5 %" in text
