@@ -70,8 +70,8 @@ from make_tables import (  # noqa: E402  (this script's folder is on sys.path)
     PIPELINED,
     RAY,
     STAR,
-    _mn_get,
     multinode_acceptance,
+    multinode_median,
     multinode_tables,
 )
 from make_tables import size as size_label  # noqa: E402
@@ -370,7 +370,7 @@ def plot(result: dict, out: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     styles = {PIPELINED: "o-", STAR: "s--", RAY: "^:", BOUND: "k-"}
     for way in MULTINODE_WAYS:
-        ys = [_mn_get(records, "nodes", way, nodes=n) for n in counts]
+        ys = [multinode_median(records, "nodes", way, nodes=n) for n in counts]
         if way == BOUND:
             ax.axhline(statistics.median([y for y in ys if y]), color="0.45", lw=1.2,
                        ls="--", label="one node-to-node transfer", zorder=0)

@@ -274,8 +274,9 @@ PIPELINED, STAR, RAY, BOUND = (
 MULTINODE_WAYS = [PIPELINED, STAR, RAY, BOUND]
 
 
-def _mn_get(records: list[dict], sweep: str, way: str, **match: Any) -> float | None:
-    """The median of the record of ``sweep`` and ``way`` that matches (None: none)."""
+def multinode_median(records: list[dict], sweep: str, way: str, **match: Any) -> float | None:
+    """The median of ``bench_multinode.py``'s record of ``sweep`` and ``way`` that matches
+    (None: none)."""
     for r in records:
         if r["sweep"] == sweep and r["way"] == way and all(r.get(k) == v for k, v in match.items()):
             return r["median"]
@@ -304,7 +305,7 @@ def multinode_tables(result: dict) -> str:
     for way in MULTINODE_WAYS:
         cells = []
         for n in counts:
-            med = _mn_get(records, "nodes", way, nodes=n)
+            med = multinode_median(records, "nodes", way, nodes=n)
             first = next((r["first"] for r in records if r["sweep"] == "nodes"
                           and r["way"] == way and r["nodes"] == n), None)
             cells.append("-" if med is None else f"{med:.2f} ({first:.2f})")
@@ -314,12 +315,12 @@ def multinode_tables(result: dict) -> str:
     for name, a, b in ratio:
         cells = []
         for n in counts:
-            x, y = _mn_get(records, "nodes", a, nodes=n), _mn_get(records, "nodes", b, nodes=n)
+            x, y = multinode_median(records, "nodes", a, nodes=n), multinode_median(records, "nodes", b, nodes=n)
             cells.append("-" if not x or not y else f"{x / y:.2f}x")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     growth = []
     for prev, n in zip(counts, counts[1:]):
-        x, y = _mn_get(records, "nodes", PIPELINED, nodes=n), _mn_get(records, "nodes", PIPELINED,
+        x, y = multinode_median(records, "nodes", PIPELINED, nodes=n), multinode_median(records, "nodes", PIPELINED,
                                                                  nodes=prev)
         growth.append("-" if not x or not y else f"{(x / y - 1) * 100:+.0f} %")
     lines.append("| pipelined, change from N - 1 | - | " + " | ".join(growth) + " |")
@@ -332,7 +333,7 @@ def multinode_tables(result: dict) -> str:
         for n in sorted({r["nodes"] for r in records if r["sweep"] == "switch"}):
             for way in (PIPELINED, STAR):
                 lines.append(f"| {way}, N = {n} | " + " | ".join(_fixed(
-                    (_mn_get(records, "switch", way, bytes=b, nodes=n) or 0) * 1e3, 1) for b in sw
+                    (multinode_median(records, "switch", way, bytes=b, nodes=n) or 0) * 1e3, 1) for b in sw
                 ) + " |")
     ch = sorted({r["chunk"] for r in records if r["sweep"] == "chunk"})
     if ch:
@@ -342,7 +343,7 @@ def multinode_tables(result: dict) -> str:
                   "| record | " + " | ".join(size(c) for c in ch) + " |",
                   "| --- |" + " --- |" * len(ch),
                   f"| {PIPELINED} | " + " | ".join(
-                      _fixed(_mn_get(records, "chunk", PIPELINED, chunk=c), 3) for c in ch) + " |"]
+                      _fixed(multinode_median(records, "chunk", PIPELINED, chunk=c), 3) for c in ch) + " |"]
     sync = multinode_sync_table(result)
     if sync:
         lines += ["", sync]
@@ -356,7 +357,7 @@ def multinode_acceptance(result: dict) -> dict[str, Any]:
     last = counts[-1] if counts else None
 
     def at(way: str, n: int | None) -> float | None:
-        return None if n is None else _mn_get(records, "nodes", way, nodes=n)
+        return None if n is None else multinode_median(records, "nodes", way, nodes=n)
 
     pipe = {n: at(PIPELINED, n) for n in counts}
     steps = [pipe[b] / pipe[a] - 1 for a, b in zip(counts, counts[1:]) if pipe[a] and pipe[b]]
@@ -679,9 +680,9 @@ def multinode_row() -> list[str]:
     data = load("bench_multinode.json")
     nodes = [r for r in data["records"] if r["sweep"] == "nodes"]
     n = max(r["nodes"] for r in nodes)
-    at = {r["way"]: r["median"] for r in nodes if r["nodes"] == n}
     mib = nodes[0]["bytes"] // MIB
-    pipe, ray_s, bound = at[PIPELINED], at[RAY], at[BOUND]
+    pipe, ray_s, bound = (multinode_median(nodes, "nodes", way, nodes=n)
+                          for way in (PIPELINED, RAY, BOUND))
     return [f"Measured: weight sync, {mib} MiB from one node to {n - 1} others, "
             f"{data['args']['rate'].replace('gbit', ' Gbit/s').replace('mbit', ' Mbit/s')} links",
             "-", "GPU only (NCCL)", "GPU only (NCCL)",
