@@ -121,7 +121,9 @@ class Settings:
     bucket_bytes: int = _setting(
         64 << 20, "bytes of each bucket of a message that streams (a CPU payload larger "
         "than a quarter of shm_pool_bytes, or than a receiver's max_message_bytes, on "
-        "every path); the sender's value holds, capped at a quarter of its pool",
+        "every path; a broadcast to other nodes larger than one bucket, in one bucket "
+        "while a quarter of the pool holds it); the sender's "
+        "value holds, capped at a quarter of its pool",
         minimum=1 << 20)
     bcast_chunk_bytes: int = _setting(
         1 << 20, "bytes of each record of a broadcast passed along the chain of nodes: a "

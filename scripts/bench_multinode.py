@@ -23,7 +23,10 @@ MiB (one tensor of a quarter of it, the rest in ``--sync-tensors`` tensors) from
 first node to one worker on each other node, each taking it into its own preallocated
 dict (``into=``), with ``RLCOMM_SHM_POOL_BYTES`` at ``--sync-pool-mib`` so that it
 streams in buckets; besides the time, each receiver's peak resident memory beyond its
-dict, and one ``send`` of it to the second node (``into=`` too) as the bound.
+dict and the bytes its node's link carried (the relay's count), and one ``send`` of it
+to the second node (``into=`` too) as the bound. The same sync again with each receiver
+taking one tensor-parallel shard of four (``shards=``, node ``r`` part ``r - 1``) shows
+the links carrying only those shards.
 ``--sync-only`` runs only that.
 
 A figure is the time from the source's start until the last receiver holds the whole
@@ -76,11 +79,14 @@ from make_tables import (  # noqa: E402  (this script's folder is on sys.path)
 )
 from make_tables import size as size_label  # noqa: E402
 
-from rlcomm import Worker, update_settings  # noqa: E402
+from rlcomm import Shard, Worker, update_settings  # noqa: E402
 
 GROUP = "bench_mn"
 SYNC_GROUP = "bench_mn_sync"
 STREAMED, STREAMED_BOUND = "rlcomm streamed (into=)", "bound: one send (into=)"
+SHARDED = "rlcomm streamed, a TP-4 shard each (into=)"
+#: The sharded sync's tensor-parallel degree: node r takes part r - 1.
+TP = 4
 MIB = 1 << 20
 #: The chain stays on for every size with this; the star is taken with ``NEVER``.
 ALWAYS, NEVER = 1, 1 << 62
@@ -146,9 +152,21 @@ class BenchWorker(Worker):
 def sync_layout(mib: int, tensors: int) -> list[tuple[str, int]]:
     """A weight sync's tensors (name, float32 elements): one of a quarter of the dict,
     the rest alike."""
-    big = mib * MIB // 16
-    rest = (mib * MIB // 4 - big) // max(1, tensors - 1)
+    big = mib * MIB // 16 // TP * TP
+    rest = (mib * MIB // 4 - big) // max(1, tensors - 1) // TP * TP
     return [("embed.weight", big)] + [(f"layers.{i}.weight", rest) for i in range(tensors - 1)]
+
+
+def _link_in(members: list) -> int:
+    """Bytes this member took in by broadcasts of ``members`` so far (a relay: what its
+    node's link carried)."""
+    from rlcomm.comm.status import process_status
+
+    names = [f"{g}:{r}" for g, ranks in members for r in ranks]
+    for group in process_status()["process"]["broadcasts"]:
+        if group["members"] == names:
+            return group["bytes_in"]
+    return 0
 
 
 def _vm(key: str) -> int:
@@ -171,11 +189,14 @@ class SyncWorker(BenchWorker):
             self._sd = {n: torch.full((k,), float(i)) for i, (n, k) in enumerate(layout)}
         else:
             self._sd = {n: torch.zeros(k) for n, k in layout}
+            self._shards = {n: torch.zeros(k // TP) for n, k in layout}
         return sum(t.numel() * 4 for t in self._sd.values())
 
-    def bcast(self, n: int) -> tuple[float, int]:
-        """One sync to ranks 1..n-1: the wall clock at the start (source) or end, and the
-        peak resident memory this round added (receivers; the dict was there before)."""
+    def bcast(self, n: int, sharded: bool = False) -> tuple[float, int, int]:
+        """One sync to ranks 1..n-1 (``sharded``: each takes part ``rank - 1`` of
+        :data:`TP` of every tensor): the wall clock at the start (source) or end, the
+        peak resident memory this round added (receivers; the dict was there before),
+        and the bytes that came over this node's link."""
         members = [(SYNC_GROUP, list(range(n)))]
         self._sync(n)
         with open("/proc/self/clear_refs", "w") as f:
@@ -184,21 +205,28 @@ class SyncWorker(BenchWorker):
         if self._rank == 0:
             start = time.time()
             self.broadcast(self._sd, groups=members)
-            return start, _vm("VmHWM") - base
-        self.broadcast(None, groups=members, into=self._sd)
-        return time.time(), _vm("VmHWM") - base
+            return start, _vm("VmHWM") - base, 0
+        came = _link_in(members)
+        if sharded:
+            part = Shard(0, self._rank - 1, TP)
+            self.broadcast(None, groups=members, into=self._shards,
+                           shards=lambda name, shape: part)
+        else:
+            self.broadcast(None, groups=members, into=self._sd)
+        return time.time(), _vm("VmHWM") - base, _link_in(members) - came
 
-    def p2p(self) -> tuple[float, int]:
+    def p2p(self) -> tuple[float, int, int]:
         self._sync(2)
         if self._rank == 0:
             start = time.time()
             self.send(self._sd, SYNC_GROUP, 1)
-            return start, 0
+            return start, 0, 0
         self.recv(SYNC_GROUP, 0, into=self._sd)
-        return time.time(), 0
+        return time.time(), 0, 0
 
     def check(self) -> bool:
-        return all(bool((t == float(i)).all()) for i, t in enumerate(self._sd.values()))
+        return all(bool((t == float(i)).all()) for i, t in enumerate(self._sd.values())) and (
+            all(bool((t == float(i)).all()) for i, t in enumerate(self._shards.values())))
 
 
 @ray.remote(num_cpus=0, runtime_env={"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}})
@@ -326,32 +354,38 @@ def _sync_sweep(spec: dict, cluster: Any, by_ip: dict, records: list[dict], log:
         size = group.make(spec["sync_mib"], spec["sync_tensors"]).wait(timeout=wait)[0]
         case = {"sweep": "sync", "bytes": size, "pool": spec["sync_pool_mib"] * MIB}
 
-        def once(way: str) -> tuple[float, list[int]]:
-            if way == STREAMED:
-                got = group.execute_on(*range(n)).bcast(n).wait(timeout=wait)
-            else:
-                got = group.execute_on(0, 1).p2p().wait(timeout=wait)
-            return max(t for t, _ in got[1:]) - got[0][0], [r for _, r in got[1:]]
+        ways = [STREAMED, STREAMED_BOUND] + ([SHARDED] if n - 1 <= TP else [])
 
-        firsts = {way: once(way)[0] for way in (STREAMED, STREAMED_BOUND)}
-        samples: dict[str, list[float]] = {STREAMED: [], STREAMED_BOUND: []}
-        rss: list[int] = []
+        def once(way: str) -> tuple[float, list[int], list[int]]:
+            if way == STREAMED_BOUND:
+                got = group.execute_on(0, 1).p2p().wait(timeout=wait)
+            else:
+                got = group.execute_on(*range(n)).bcast(n, way == SHARDED).wait(timeout=wait)
+            return (max(t for t, _, _ in got[1:]) - got[0][0], [r for _, r, _ in got[1:]],
+                    [b for _, _, b in got[1:]])
+
+        firsts = {way: once(way)[0] for way in ways}
+        samples: dict[str, list[float]] = {way: [] for way in ways}
+        rss: dict[str, list[int]] = {}
+        links: dict[str, list[int]] = {}
         for _ in range(spec["repeats"]):
-            for way in (STREAMED, STREAMED_BOUND):
-                seconds, grew = once(way)
+            for way in ways:
+                seconds, grew, came = once(way)
                 samples[way].append(seconds)
-                if way == STREAMED:
-                    rss = [max(a, b) for a, b in zip(rss, grew)] if rss else grew
+                rss[way] = [max(a, b) for a, b in zip(rss[way], grew)] if way in rss else grew
+                links[way] = came
         ok = all(group.execute_on(*range(1, n)).check().wait(timeout=wait))
         for way, got in samples.items():
-            records.append({**case, "way": way, "nodes": n if way == STREAMED else 2,
+            bound = way == STREAMED_BOUND
+            records.append({**case, "way": way, "nodes": 2 if bound else n,
                             "first": firsts[way], "median": statistics.median(got),
                             "min": min(got), "max": max(got), "samples": got,
-                            "receiver_rss_growth": rss if way == STREAMED else None,
-                            "checked": ok})
+                            "receiver_rss_growth": None if bound else rss[way],
+                            "link_bytes": None if bound else links[way], "checked": ok})
             log(f"sync {way:30s} {size / MIB:8.0f} MiB: {statistics.median(got):7.3f} s "
                 f"(first {firsts[way]:.3f}); receivers' peak RSS beyond their dict "
-                f"{[r // MIB for r in rss]} MiB; values {'checked' if ok else 'WRONG'}")
+                f"{[r // MIB for r in rss[way]]} MiB; links carried "
+                f"{[b / MIB for b in links[way]]} MiB; values {'checked' if ok else 'WRONG'}")
     finally:
         group.shutdown()
 

@@ -251,18 +251,23 @@ def multinode_sync_table(data: dict[str, Any]) -> str:
     sync = [r for r in data["records"] if r["sweep"] == "sync"]
     if not sync:
         return ""
-    streamed = next(r for r in sync if r["nodes"] > 2 or "streamed" in r["way"])
-    bound = next(r for r in sync if r is not streamed)
+    bound = next(r for r in sync if r["way"].startswith("bound"))
+    streamed = [r for r in sync if r is not bound]
     rows = []
-    for r in (streamed, bound):
-        growth = r.get("receiver_rss_growth")
+    for r in [*streamed, bound]:
+        growth, links = r.get("receiver_rss_growth"), r.get("link_bytes")
         rows.append([r["way"], f"{num(r['median'])} ({num(r['first'])})",
                      num(r["bytes"] / r["median"] / 1e9),
-                     "-" if growth is None else ", ".join(f"{g / MIB:.2f}" for g in growth)])
-    rows.append(["streamed / bound", f"{streamed['median'] / bound['median']:.2f}x", "", ""])
-    text = table([f"{round(streamed['bytes'] / MIB)} MiB to {streamed['nodes'] - 1} nodes, "
-                  f"pool {round(streamed['pool'] / MIB)} MiB", "seconds (first round)", "GB/s",
-                  "each receiver's peak RSS beyond its dict, MiB"], rows)
+                     "-" if growth is None else ", ".join(f"{g / MIB:.2f}" for g in growth),
+                     "-" if links is None else ", ".join(f"{b / MIB:.0f}" for b in links)])
+    for r in streamed:
+        rows.append([f"{r['way']} / bound", f"{r['median'] / bound['median']:.2f}x", "", "",
+                     ""])
+    first = streamed[0]
+    text = table([f"{round(first['bytes'] / MIB)} MiB to {first['nodes'] - 1} nodes, "
+                  f"pool {round(first['pool'] / MIB)} MiB", "seconds (first round)", "GB/s",
+                  "each receiver's peak RSS beyond its dict, MiB",
+                  "each node's link carried, MiB"], rows)
     if not all(r.get("checked", True) for r in sync):
         text += "\n\n**Some received values were wrong.**"
     return text

@@ -142,3 +142,77 @@ def test_a_broadcast_past_the_pool_streams_along_the_chain(two_node_cluster):
             assert got == [True] and sent.wait(timeout=180) == [True]
     finally:
         group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def three_syncers(two_node_cluster):
+    """A trainer on the first node; a relay and its node-mate on the second (pool 8 MiB:
+    the test's state dicts stream)."""
+    from tests.comm.test_weight_sync import POOL, Syncer
+
+    group = Syncer.create_group().launch(
+        two_node_cluster, NodePlacementStrategy([0, 1, 1]), name="ws3",
+        env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)},
+    )
+    yield group
+    group.shutdown()
+
+
+@pytest.mark.multinode
+def test_only_the_shards_a_node_takes_cross_its_link(three_syncers):
+    """Two receivers on the other node take parts 1 and 2 of 4 of each split tensor: the
+    link to their node carries those rows only (the relay's count of what came), and
+    both get the values of slicing on the source; then the relay alone takes part 0
+    of 2; then a node-mate takes a tensor whole, and so does the link."""
+    from tests.comm.test_weight_sync import weights
+
+    group = three_syncers
+    sd = weights(0)
+    split = sum(t.nbytes for n, t in sd.items() if n.endswith(("qkv.weight", "o.weight"))
+                or n == "embed.weight")
+    rest = sum(t.nbytes for t in sd.values()) - split
+    cases = [([0, 1, 2], {1: ("tp", 1, 4), 2: ("tp", 2, 4)}, split // 2),
+             ([0, 1], {1: ("tp", 0, 2)}, split // 2),
+             ([0, 1, 2], {1: ("tp", 0, 4), 2: "whole"}, split)]
+    seen: dict[tuple, int] = {}  # what the relay of each group counted so far
+    for step, (ranks, hows, crossed) in enumerate(cases, 1):
+        members = [("ws3", ranks)]
+        src = ("ws3", 0)
+        handles = [group.execute_on(0).source(step, members=members, src=src)] + [
+            group.execute_on(r).take(step, how, members=members, src=src)
+            for r, how in hows.items()]
+        assert [h.wait(timeout=180)[0] for h in handles][1:] == [True] * len(hows)
+        relay = group.execute_on(1).broadcast_stats(members).wait(timeout=60)[0]
+        came = relay["bytes_in"] - seen.get(tuple(ranks), 0)
+        seen[tuple(ranks)] = relay["bytes_in"]
+        assert came == rest + crossed, (step, relay, rest, crossed)
+
+
+@pytest.mark.multinode
+def test_a_node_mate_over_its_limit_stops_a_sync_across_nodes_at_once(three_syncers):
+    """The relay's node-mate refuses the dict (over its RLCOMM_MAX_MESSAGE_BYTES, taking
+    new tensors): the relay says so in its report before the first bucket, so every
+    member raises CapacityError naming the setting long before the timeout; then the
+    group goes on."""
+    from tests.comm.test_weight_sync import FAST
+
+    group = three_syncers
+    members = [("ws3", [0, 1, 2])]
+    src = ("ws3", 0)
+    assert group.execute_on(2).set_limit(4 << 20).wait(timeout=60) == [True]
+    try:
+        handles = [group.execute_on(0).attempt("source", 11, members=members, src=src),
+                   group.execute_on(1).attempt("take", 11, "into", members=members, src=src,
+                                               timeout=60),
+                   group.execute_on(2).attempt("take", 11, "whole", members=members, src=src,
+                                               timeout=60)]
+        got = [h.wait(timeout=120)[0] for h in handles]
+    finally:
+        group.execute_on(2).set_limit(32 << 30).wait(timeout=60)
+    for kind, text, seconds in got:
+        assert kind == "CapacityError" and "RLCOMM_MAX_MESSAGE_BYTES" in text, got
+        assert seconds < FAST, got
+    assert "ws3:2" in got[0][1] and "ws3:2" in got[1][1], got
+    handles = [group.execute_on(0).source(12, members=members, src=src)] + [
+        group.execute_on(r).take(12, "into", members=members, src=src) for r in (1, 2)]
+    assert [h.wait(timeout=120)[0] for h in handles][1:] == [True, True]

@@ -24,11 +24,13 @@ A broadcast from member ``src`` splits its members in two, alike on every member
   node, whatever ``k``, and (along the chain) about one network transfer, whatever ``n``.
 
 A CPU payload larger than a quarter of the shared-memory pool (or than a local
-receiver's limit, or any the caller asks to) *streams* in buckets
-(:mod:`~rlcomm.comm.buckets`): to the local receivers, an opening they each answer, then
-the buckets through two reused slots (:mod:`~rlcomm.comm.broadcast_stream`); along the
-chain, one run of the chain per bucket, each relay handing each bucket on to its
-node-mates as it arrives. Each receiver takes what it asked for
+receiver's limit, or, to other nodes, than one bucket, or any the caller asks to)
+*streams* in buckets (:mod:`~rlcomm.comm.buckets`): to the local receivers, an opening
+they each answer, then the buckets through two reused slots
+(:mod:`~rlcomm.comm.broadcast_stream`); to other nodes, once the relays said what their
+nodes take and the routes are agreed (:mod:`~rlcomm.comm.broadcast_routes`), one run of
+each route's chain per bucket, carrying only what its nodes take, each relay handing
+each bucket on to its node-mates as it arrives. Each receiver takes what it asked for
 (:class:`~rlcomm.comm.taking.Taking`: ``into=``, new tensors, an iterator, shards).
 
 Broadcasts on one group run one at a time, in call order (one thread for async calls),
@@ -61,6 +63,7 @@ from rlcomm.comm.broadcast_chain import (
     REFUSED,
     TIMEOUT,
     ChainListener,
+    ChainOutcome,
     ChainRun,
     group_key,
     plan_records,
@@ -68,6 +71,19 @@ from rlcomm.comm.broadcast_chain import (
 )
 from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
 from rlcomm.comm.broadcast_gloo import GlooBroadcast
+from rlcomm.comm.broadcast_routes import (
+    Need,
+    Route,
+    from_verdict,
+    need_of,
+    pack_need,
+    pack_report,
+    report_bytes,
+    routes,
+    union,
+    unpack_report,
+    verdict_body,
+)
 from rlcomm.comm.broadcast_stream import (
     OVER_LIMIT,
     STREAM_NOTE,
@@ -76,16 +92,24 @@ from rlcomm.comm.broadcast_stream import (
     reason_of,
     verdict_of,
 )
-from rlcomm.comm.buckets import Bucket, Shards, header_bucket, plan, stream_bucket
+from rlcomm.comm.buckets import (
+    ALIGN,
+    Bucket,
+    Shards,
+    header_bucket,
+    plan,
+    stream_bucket,
+)
 from rlcomm.comm.connection.incoming import Payload, classify
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
 from rlcomm.comm.store import sub_store
 from rlcomm.comm.taking import Taking
 from rlcomm.comm.transports import pool, registry
+from rlcomm.comm.transports.shm_fanout import OVER_LIMIT as LIMIT_VERDICT
 from rlcomm.comm.transports.shm_fanout import TAKES, FanoutSource
 from rlcomm.comm.transports.shm_fanout_sink import FanoutSink
-from rlcomm.comm.transports.shm_memory import check_memory
+from rlcomm.comm.transports.shm_memory import POOL_BYTES, check_memory
 from rlcomm.errors import (
     CapacityError,
     CodecError,
@@ -115,6 +139,21 @@ NOTE = struct.Struct("<IB")
 
 
 _reason = reason_of
+
+
+def _bucket_run(run_id: int, bucket: int, route: int, routes: int) -> int:
+    """The id of the run that carries ``bucket`` along ``route`` (of ``routes``): past
+    the two runs of the agreement."""
+    return (run_id + 3 + bucket * routes + route) % (1 << 64)
+
+
+class _NothingSent(Exception):
+    """A member of the chain failed before the first bucket: ``error`` is what this
+    member raises (``None``: its own refusal), naming ``culprit``."""
+
+    def __init__(self, error: Exception | None, culprit: int | None = None):
+        super().__init__(str(error))
+        self.error, self.culprit = error, culprit
 
 
 def expand_groups(groups: GroupsSpec) -> list[WorkerAddress]:
@@ -356,6 +395,14 @@ class BroadcastGroup:
         total = sum(m.nbytes for m in header.tensors)
         if not on_cuda and total:
             limits = self._fanout_source(local, deadline).limits() if local else {}
+            settings = get_settings()
+            if (relays and bucket is None and total > settings.bucket_bytes
+                    and total >= settings.bcast_chain_min_bytes):
+                # Across nodes it streams, so that each node's link carries what it takes;
+                # in one bucket where a quarter of the pool holds it (one run of the
+                # chain, pipelined end to end: the chain drains between buckets).
+                whole = total + ALIGN * len(header.tensors)
+                bucket = whole if whole <= POOL_BYTES // 4 else settings.bucket_bytes
             try:
                 header.stream = stream_bucket(total, bucket, list(limits.values()))
             except CapacityError as exc:
@@ -366,8 +413,13 @@ class BroadcastGroup:
         settings = get_settings()
         if header.stream:
             views = [codec.as_bytes(t) for t in tensors]
-            failures = (self._send_chain_stream(frame, header, views, local, relays, timeout)
-                        if relays else self._stream_local(frame, header, views, local, timeout))
+            if relays:
+                failures, routes = self._send_chain_stream(frame, header, views, local, relays,
+                                                           timeout)
+                if failures:
+                    self._raise_failures(failures, [self.index, *relays], routes)
+            else:
+                failures = self._stream_local(frame, header, views, local, timeout)
         elif relays and not on_cuda and sum(t.numel() for t in payload) >= max(
             1, settings.bcast_chain_min_bytes
         ):
@@ -407,20 +459,25 @@ class BroadcastGroup:
             ))
         return failures
 
-    def _raise_failures(self, failures: dict[int, Exception], chain: list[int]) -> None:
+    def _raise_failures(self, failures: dict[int, Exception], chain: list[int],
+                        routes: Sequence[list[int]] = ()) -> None:
         """Raise for the members that did not get a broadcast from this member (which
-        hands it on along ``chain``): ``PeerLostError`` if one is gone, else
-        ``CommTimeoutError`` (``ProtocolMismatchError`` when all refused it)."""
+        hands it on along ``chain``, or, streamed, along each of ``routes``: chains from
+        the same source): ``PeerLostError`` if one is gone, else ``CommTimeoutError``
+        (``ProtocolMismatchError`` when all refused it)."""
         names = ", ".join(f"{self.members[m]} ({exc})" for m, exc in sorted(failures.items()))
         relays = self.relays(chain[0])
-        broken = [r for r in chain if r in failures]
-        after = []
-        if broken:
-            for relay in chain[chain.index(broken[0]) + 1 :]:
-                after += [relay, *relays.get(relay, [])]
-        if after:
-            names += (f"; nor did the members after {self.members[broken[0]]} along the "
-                      f"chain ({', '.join(str(self.members[m]) for m in after)})")
+        broken = []
+        for route in routes or [chain]:
+            cut = next((r for r in route if r in failures), None)
+            if cut is None:
+                continue
+            broken.append(cut)
+            after = [m for relay in route[route.index(cut) + 1 :]
+                     for m in (relay, *relays.get(relay, []))]
+            if after:
+                names += (f"; nor did the members after {self.members[cut]} along the "
+                          f"chain ({', '.join(str(self.members[m]) for m in after)})")
         errors = list(failures.values())
         if any(isinstance(e, PeerLostError) for e in errors):
             kind: type[CommError] = PeerLostError
@@ -428,7 +485,7 @@ class BroadcastGroup:
             kind = ProtocolMismatchError
         else:
             kind = CommTimeoutError
-        first = broken[0] if broken else min(failures)
+        first = min(broken, key=chain.index) if broken else min(failures)
         where = f"broadcast from {self.members[chain[0]]}"
         if chain[0] != self.index:
             where += f", passed on by {self.members[self.index]}"
@@ -485,7 +542,7 @@ class BroadcastGroup:
         self, chain: list[int], run_id: int, sizes: list[int], views: list[memoryview],
         deadline: float, timeout: float,
         on_received: Callable[[], concurrent.futures.Future | None], refuse: bool = False,
-        chunk: int | None = None,
+        chunk: int | None = None, report_bytes: int = 0, report: bytes | None = None,
     ) -> Any:
         """Run this member's part of a broadcast along ``chain``; returns its outcome,
         once the hand-off to this member's node-mates (if it began) ended too."""
@@ -503,7 +560,7 @@ class BroadcastGroup:
             ),
             host=self._host, deadline=deadline, slack=min(1.0, 0.1 * timeout),
             heartbeat=min(1.0, max(0.05, timeout / 20)), on_received=on_received,
-            refuse=refuse,
+            refuse=refuse, report_bytes=report_bytes, report=report,
             upstream_address=(  # the source has no listener
                 None if upstream is None or upstream == chain[0]
                 else lambda: self._chain_address(upstream, deadline)  # type: ignore[arg-type]
@@ -581,10 +638,13 @@ class BroadcastGroup:
     def _send_chain_stream(
         self, frame: bytes, header: Any, views: list[torch.Tensor], local: list[int],
         relays: list[int], timeout: float,
-    ) -> dict[int, Exception]:
-        """As the source: a streamed payload along the chain, one run of the chain per
-        bucket (each relay hands each bucket to its node-mates, and takes the next), and
-        to this node's members meanwhile (on the helper thread). Returns the failures."""
+    ) -> tuple[dict[int, Exception], list[list[int]]]:
+        """As the source: a streamed payload to the other nodes, and to this node's
+        members meanwhile (on the helper thread). The relays first agree on the routes
+        (:meth:`_agree_routes`); then each bucket goes along each route in turn, one run
+        of its chain, carrying what its nodes take (each relay hands each bucket to its
+        node-mates, and takes the next). Returns the failures, and the routes (each a
+        chain from this member)."""
         chain = [self.index, *relays]
         bucket_bytes = header.stream
         chunk = record_size(bucket_bytes, len(relays), get_settings().bcast_chunk_bytes)
@@ -595,18 +655,35 @@ class BroadcastGroup:
         helper = (self._helper().submit(self._stream_local, frame, header, views, local, timeout)
                   if local else None)
         failures: dict[int, Exception] = {}
+        stopped: Exception | None = None
+        ways: list[tuple[list[int], Route]] = []
         try:
+            ways = self._agree_routes(chain, run_id, chunk, header, timeout)
+            cut = [False] * len(ways)
+            packed: torch.Tensor | None = None
             for bucket in plan(header.tensors, bucket_bytes):
                 pieces = self._pieces(bucket, views)
-                outcome = self._run_chain(
-                    chain, (run_id + 1 + bucket.index) % (1 << 64), bucket.sizes,
-                    [memoryview(p.numpy()) for p in pieces], time.monotonic() + timeout,
-                    timeout, lambda: None, chunk=chunk,
-                )
-                for member, reason in outcome.failures.items():
-                    failures.setdefault(member, self._chain_failure(member, reason, "it", False))
-                if chain[1] in failures or REFUSED in outcome.failures.values():
-                    break  # nothing more gets along the chain
+                for g, (members, route) in enumerate(ways):
+                    sizes = route.sizes(bucket)
+                    if cut[g] or not any(sizes):
+                        continue
+                    if not route.whole and packed is None:
+                        packed = pool.take(bucket_bytes)
+                    send = pieces if route.whole else route.send_views(bucket, pieces, packed)
+                    outcome = self._run_chain(
+                        [self.index, *members], _bucket_run(run_id, bucket.index, g, len(ways)),
+                        sizes, [memoryview(p.numpy()) for p in send], time.monotonic() + timeout,
+                        timeout, lambda: None, chunk=chunk,
+                    )
+                    for member, reason in outcome.failures.items():
+                        failures.setdefault(member, self._chain_failure(member, reason, "it",
+                                                                        False))
+                    if members[0] in failures or REFUSED in outcome.failures.values():
+                        cut[g] = True  # nothing more gets along this route
+                if all(cut):
+                    break
+        except _NothingSent as exc:
+            stopped = exc.error
         finally:
             if helper is not None:
                 try:
@@ -615,17 +692,98 @@ class BroadcastGroup:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the node-mates' failure, raised below
                     failures.update(dict.fromkeys(local, exc))
-        return failures
+        if stopped is not None:
+            if failures:
+                stopped.args = (f"{stopped.args[0]}; nor did "
+                                + ", ".join(f"{self.members[m]} ({e})"
+                                            for m, e in sorted(failures.items())),)
+            raise stopped
+        return failures, [[self.index, *members] for members, _ in ways]
+
+    def _agree_routes(
+        self, chain: list[int], run_id: int, chunk: int, header: Any, timeout: float,
+        report: bytes | None = None, refuse: bool = False,
+    ) -> list[tuple[list[int], Route]]:
+        """Two runs of the whole chain before the first bucket: each relay reports what
+        its node takes (``report``, in its ``DONE``), then the source passes every
+        relay's report down. Every member then works out the same routes (see
+        :mod:`~rlcomm.comm.broadcast_routes`): ``(relays, Route)`` each.
+
+        Raises:
+            _NothingSent: a member failed: nothing goes past the source (the run told
+                every member of the chain).
+        """
+        metas = header.tensors
+        relays = chain[1:]
+        size = report_bytes(metas)
+        token = bytearray(8)
+        outcome = self._run_chain(chain, (run_id + 1) % (1 << 64), [len(token)],
+                                  [memoryview(token)], time.monotonic() + timeout, timeout,
+                                  lambda: None, refuse=refuse, chunk=chunk, report_bytes=size,
+                                  report=report)
+        self._check_agreement(chain, outcome, refuse, metas)
+        table = bytearray(size * len(relays))
+        if self.index == chain[0]:
+            try:
+                table[:] = b"".join(outcome.reports[r] for r in relays)
+            except KeyError as exc:
+                raise ProtocolMismatchError(
+                    f"{self._label}: {self.members[exc.args[0]]} said nothing of what its "
+                    "node takes", peer=self.members[exc.args[0]], op="broadcast") from exc
+        outcome = self._run_chain(chain, (run_id + 2) % (1 << 64), [len(table)],
+                                  [memoryview(table)], time.monotonic() + timeout, timeout,
+                                  lambda: None, chunk=chunk)
+        self._check_agreement(chain, outcome, False, metas)
+        needs: list[Need] = []
+        for i, relay in enumerate(relays):
+            try:
+                needs.append(unpack_report(table[i * size : (i + 1) * size], metas)[2])
+            except CodecError as exc:
+                raise ProtocolMismatchError(
+                    f"{self._label}: what {self.members[relay]} takes: {exc}",
+                    peer=self.members[relay], op="broadcast") from exc
+        return [(members, Route(metas, needs[relays.index(members[0])]))
+                for members in routes(relays, [pack_need(n) for n in needs])]
+
+    def _check_agreement(self, chain: list[int], outcome: Any, refused: bool,
+                         metas: Sequence[Any]) -> None:
+        """Raise :class:`_NothingSent` (or a refusal of this member's own, ``refused``)
+        when a run of the agreement failed anywhere (a relay that refused it says why
+        in its report)."""
+        where = (f"broadcast from {self.members[chain[0]]}" if self.index == chain[0]
+                 else f"broadcast at {self.members[self.index]} from {self.members[chain[0]]}")
+        if outcome.upstream_error is not None:
+            if refused:
+                raise _NothingSent(None)
+            culprit, reason = outcome.upstream_error
+            raise _NothingSent(self._chain_failure(culprit, reason,
+                                                   self._along(chain[0], culprit), True),
+                               culprit)
+        if outcome.failures:
+            culprit = next((m for m in chain if m in outcome.failures), min(outcome.failures))
+            reason = outcome.failures[culprit]
+            what = f"{where}: nothing went to the other nodes: {self.members[culprit]}"
+            try:
+                verdict, why, _ = unpack_report(outcome.reports[culprit], metas)
+            except (KeyError, CodecError):
+                verdict, why = TAKES, ""
+            if reason == REFUSED and verdict != TAKES:
+                kind = CapacityError if verdict == LIMIT_VERDICT else ProtocolMismatchError
+                raise _NothingSent(kind(f"{what} refused it: {why}",
+                                        peer=self.members[culprit], op="broadcast"), culprit)
+            raise _NothingSent(self._chain_failure(culprit, reason, what, False), culprit)
 
     def _recv_chain_stream(
         self, src: int, chain: list[int], mates: list[int], header: Any, frame: bytes,
         run_id: int, chunk: int, timeout: float, taking: Taking,
         opened: Callable[[Any], None] | None,
     ) -> Any:
-        """As a relay: a streamed payload along the chain, one run per bucket. Each bucket
-        lands in this member's own tensors (straight, when they take it whole on the CPU;
-        else through one bucket of staging), goes on to the next relay, and to this
-        node's ``mates`` (a stream of its own through the fan-out)."""
+        """As a relay: a streamed payload along the chain. This member and its node-mates
+        say what they take; once the routes are agreed, each bucket comes along this
+        member's route, lands in this member's own tensors (straight, when they take it
+        whole on the CPU; else through one bucket of staging), goes on to the next relay
+        of the route, and to this node's ``mates`` (a stream of its own through the
+        fan-out)."""
         refusal: ProtocolMismatchError | None = None
         receipt = None
         try:
@@ -646,40 +804,81 @@ class BroadcastGroup:
                     stream.open(frame)
                 except ProtocolMismatchError as exc:
                     refusal = exc
-        if refusal is None and receipt is not None and receipt.iterator is not None and opened:
+        metas = header.tensors
+        needs: list[Need] = [[None] * len(metas)]
+        if refusal is None:
+            needs = [need_of(metas, receipt.landing.selections)]  # type: ignore[union-attr]
+            for body in (stream.bodies.values() if stream is not None else ()):
+                try:
+                    needs.append(from_verdict(body, metas))
+                except CodecError:
+                    needs.append([None] * len(metas))  # said nothing usable: everything
+        try:
+            verdict = TAKES if refusal is None else verdict_of(refusal)
+            ways = self._agree_routes(chain, run_id, chunk, header, timeout,
+                                      report=pack_report(verdict, str(refusal or ""),
+                                                         union(metas, needs)),
+                                      refuse=refusal is not None)
+        except _NothingSent as exc:
+            if refusal is not None:
+                raise refusal from None
+            if stream is not None:
+                stream.abort(exc.culprit, reason_of(exc.error), str(exc.error))
+            if receipt is not None:
+                receipt.fail(exc.error)
+            raise exc.error from None
+        except BaseException as exc:
+            if stream is not None:
+                stream.abort(None, reason_of(exc), str(exc))
+            raise
+        g = next(i for i, (members, _) in enumerate(ways) if self.index in members)
+        members, route = ways[g]
+        assert receipt is not None
+        if receipt.iterator is not None and opened:
             opened(receipt.iterator)
         staging: torch.Tensor | None = None
+        packed: torch.Tensor | None = None
         failures: dict[int, Exception] = {}
         try:
-            for bucket in plan(header.tensors, header.stream):
-                refuse = refusal is not None
-                direct = None if refuse else receipt.direct(bucket)  # type: ignore[union-attr]
-                if refuse:
-                    buffers: list[torch.Tensor] = []
-                elif direct is not None:
-                    buffers = direct
+            for bucket in plan(metas, header.stream):
+                sizes = route.sizes(bucket)
+                direct = receipt.direct(bucket) if route.whole else None
+                if direct is not None:
+                    buffers = got = direct
                 else:
                     if staging is None:
                         staging = pool.take(header.stream)
                     buffers = [staging[p.offset : p.offset + p.nbytes] for p in bucket.pieces]
+                    got = buffers
+                    if not route.whole:
+                        if packed is None:
+                            packed = pool.take(header.stream)
+                        got = route.receive_views(bucket, buffers, packed)
 
-                def hand_to_mates(b: Bucket = bucket, bufs: list = buffers
+                def hand_to_mates(b: Bucket = bucket, bufs: list = buffers, into: list = got
                                   ) -> concurrent.futures.Future | None:
+                    if not route.whole:
+                        route.unpack(b, into, bufs)
                     if stream is None or not stream.takers:
                         return None
                     return self._helper().submit(self._send_bucket, stream, b, bufs,
                                                  header.stream)
 
-                outcome = self._run_chain(
-                    chain, (run_id + 1 + bucket.index) % (1 << 64),
-                    [] if refuse else bucket.sizes, [memoryview(b.numpy()) for b in buffers],
-                    time.monotonic() + timeout, timeout, hand_to_mates, refuse=refuse,
-                    chunk=chunk,
-                )
+                if any(sizes):
+                    outcome = self._run_chain(
+                        [src, *members], _bucket_run(run_id, bucket.index, g, len(ways)),
+                        sizes, [memoryview(b.numpy()) for b in got],
+                        time.monotonic() + timeout, timeout, hand_to_mates, chunk=chunk,
+                    )
+                else:  # nothing of it for this node: its mates read none of its bytes
+                    outcome = ChainOutcome(local=hand_to_mates())
+                    if outcome.local is not None:
+                        try:
+                            outcome.local.result(timeout=timeout + 5)
+                        except Exception:  # noqa: BLE001 - the stream's failures, raised below
+                            pass
                 if outcome.upstream_error is not None:
                     culprit, reason = outcome.upstream_error
-                    if refusal is not None:
-                        raise refusal
                     error = self._chain_failure(culprit, reason, self._along(src, culprit), True)
                     if stream is not None:
                         stream.abort(culprit, reason, str(error))
@@ -687,21 +886,20 @@ class BroadcastGroup:
                 for member, reason in outcome.failures.items():
                     failures.setdefault(member, self._chain_failure(member, reason, "it", False))
                 self.buckets_in += 1
-                self.bytes_in += bucket.nbytes
+                self.bytes_in += sum(sizes)
                 if direct is not None:
-                    receipt.landed(bucket)  # type: ignore[union-attr]
+                    receipt.landed(bucket)
                 else:
-                    receipt.land(bucket, buffers)  # type: ignore[union-attr]
+                    receipt.land(bucket, buffers)
         except BaseException as exc:
-            if receipt is not None:
-                receipt.fail(exc)
+            receipt.fail(exc)
             raise
         if stream is not None:
             for member, exc in stream.failures.items():
                 failures.setdefault(member, exc)
         if failures:
-            self._raise_failures(failures, chain)
-        return receipt.result()  # type: ignore[union-attr]
+            self._raise_failures(failures, [src, *members])
+        return receipt.result()
 
     def _helper(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._helper_pool is None:
@@ -817,7 +1015,9 @@ class BroadcastGroup:
                 raise ProtocolMismatchError(f"{taking.what}: {exc}", peer=self.members[src],
                                             op="broadcast") from exc
             raise
-        sink.verdict(seq, TAKES)
+        # A node-mate of a relay says what it takes: its node's link carries only that.
+        sink.verdict(seq, TAKES, body=b"" if origin == src else verdict_body(
+            need_of(header.tensors, receipt.landing.selections)))
         if receipt.iterator is not None and opened is not None:
             opened(receipt.iterator)
         failure: BaseException | None = None

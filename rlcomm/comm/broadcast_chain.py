@@ -23,7 +23,9 @@ the hello. A link lives for one broadcast, so one that failed leaves nothing beh
 anything else is refused), ``WAIT`` (the sender is alive and waiting on member ``m``)
 and ``ABORT`` (member ``m`` is gone, or timed out: nothing more comes). Upstream, it
 carries ``WAIT`` and, once the downstream member, its node-mates and everything after it
-are done, ``DONE`` with the failures seen there. So:
+are done, ``DONE`` with the failures seen there, and, in a run that asks for them, a
+*report* of fixed size from each member there (what each node takes of a streamed
+payload, :mod:`~rlcomm.comm.broadcast_routes`). So:
 
 - a relay that dies makes its successor see the link break; the successor sends
   ``ABORT`` on, and every member after it, and their node-mates, raise
@@ -63,7 +65,8 @@ from dataclasses import dataclass, field
 
 from rlcomm.errors import ProtocolMismatchError
 
-#: A record's header: kind, reason, (unused), index (a record number or a member), length.
+#: A record's header: kind, reason, count (of a ``DONE``'s reports), index (a record
+#: number, a member, or a ``DONE``'s failures), length.
 RECORD = struct.Struct("<BBHIQ")
 DATA, WAIT, ABORT, DONE = 1, 2, 3, 4
 #: Why a member did not get a payload (``ABORT`` and ``DONE`` records carry it).
@@ -71,6 +74,8 @@ LOST, TIMEOUT, REFUSED = 1, 2, 3
 REASONS = {LOST: "is gone", TIMEOUT: "timed out", REFUSED: "refused it (over its size limit)"}
 #: One failure in a ``DONE`` record: member, reason.
 FAILURE = struct.Struct("<IB3x")
+#: The member a report in a ``DONE`` record is from (the report follows).
+REPORTER = struct.Struct("<I")
 #: What a link is for: the broadcast's id, the source, the connecting (upstream) member
 #: and the accepting (downstream) one.
 HELLO = struct.Struct("<QIII")
@@ -139,7 +144,7 @@ def record_bytes(record: Sequence[tuple[int, int, int]]) -> int:
 
 def check_record(
     kind: int, reason: int, index: int, length: int, *, downstream: bool, members: int,
-    next_record: int, lengths: Sequence[int],
+    next_record: int, lengths: Sequence[int], count: int = 0, report_bytes: int = 0,
 ) -> None:
     """Refuse a record header that the stream's other end cannot have meant to send.
 
@@ -149,6 +154,8 @@ def check_record(
         members: the group's size (members are indices below it).
         next_record: the ``DATA`` record expected next.
         lengths: every record's length.
+        count: the header's count (of a ``DONE``'s reports; 0 in any other record).
+        report_bytes: each report's size (0: the run asks for none).
 
     Raises:
         ProtocolMismatchError: saying what is wrong.
@@ -156,6 +163,8 @@ def check_record(
     allowed = (DATA, WAIT, ABORT) if downstream else (WAIT, DONE)
     if kind not in allowed:
         raise ProtocolMismatchError(f"a chain record of kind {kind} on this side of a link")
+    if count and (kind != DONE or not report_bytes or count > members):
+        raise ProtocolMismatchError(f"a chain record of kind {kind} with {count} reports")
     if kind == DATA:
         if index != next_record or next_record >= len(lengths) or length != lengths[index]:
             raise ProtocolMismatchError(
@@ -164,8 +173,10 @@ def check_record(
             )
         return
     if kind == DONE:
-        if index > members or length != index * FAILURE.size:
-            raise ProtocolMismatchError(f"a chain DONE of {index} failures in {length} bytes")
+        if index > members or length != index * FAILURE.size + count * (
+                REPORTER.size + report_bytes):
+            raise ProtocolMismatchError(
+                f"a chain DONE of {index} failures and {count} reports in {length} bytes")
         return
     if index >= members or length:
         raise ProtocolMismatchError(f"a chain record naming member {index} of {members}")
@@ -175,6 +186,23 @@ def check_record(
 
 def pack_failures(failures: dict[int, int]) -> bytes:
     return b"".join(FAILURE.pack(m, r) for m, r in sorted(failures.items()))
+
+
+def pack_reports(reports: dict[int, bytes]) -> bytes:
+    return b"".join(REPORTER.pack(m) + r for m, r in sorted(reports.items()))
+
+
+def unpack_reports(data: bytes, count: int, size: int, members: int) -> dict[int, bytes]:
+    """The reports of a ``DONE`` record's body past its failures (checked: ``count``
+    reports of ``size`` bytes, from distinct members)."""
+    out = {}
+    step = REPORTER.size + size
+    for offset in range(0, count * step, step):
+        (member,) = REPORTER.unpack_from(data, offset)
+        if member >= members or member in out:
+            raise ProtocolMismatchError(f"a chain DONE with a report from member {member}")
+        out[member] = bytes(data[offset + REPORTER.size : offset + step])
+    return out
 
 
 def unpack_failures(data: bytes, members: int) -> dict[int, int]:
@@ -364,11 +392,14 @@ class ChainOutcome:
             and its own node-mates (from ``local``).
         local: the hand-off to this member's node-mates, when one started (its result:
             failures by member).
+        reports: in a run that asks for them, the report of each member after this one
+            (from ``DONE``), and this member's own.
     """
 
     upstream_error: tuple[int, int] | None = None
     failures: dict[int, int] = field(default_factory=dict)
     local: concurrent.futures.Future | None = None
+    reports: dict[int, bytes] = field(default_factory=dict)
 
 
 class ChainRun:
@@ -400,6 +431,9 @@ class ChainRun:
             result: failures by member), or ``None`` when there are none.
         refuse: this member does not take the payload (over its size limit): it tells
             both neighbours and ends.
+        report_bytes: the size of each member's report (0: the run asks for none).
+        report: this member's report (a relay's, in a run that asks for them), sent up
+            with the reports of the members after it in ``DONE``.
     """
 
     def __init__(
@@ -410,8 +444,12 @@ class ChainRun:
         slack: float = 0.0, heartbeat: float = 1.0,
         upstream_address: Callable[[], str] | None = None,
         on_received: Callable[[], concurrent.futures.Future | None] | None = None,
-        refuse: bool = False,
+        refuse: bool = False, report_bytes: int = 0, report: bytes | None = None,
     ):
+        if (report is not None and len(report) != report_bytes) or (
+                report is None and report_bytes and upstream is not None):
+            raise ValueError(f"a chain report of {len(report or b'')} bytes, where "
+                             f"{report_bytes} are due")
         self.index, self.src = index, src
         self.upstream, self.downstream = upstream, downstream
         self.members = members
@@ -437,6 +475,9 @@ class ChainRun:
         self.waiting_up: int | None = None  # whom the upstream member said it waits on
         self.waiting_down: int | None = None  # whom the downstream member said it waits on
         self.outcome = ChainOutcome()
+        self._report_bytes = report_bytes
+        if report is not None:
+            self.outcome.reports[index] = report
         if refuse:
             self.outcome.upstream_error = (index, REFUSED)
         # -- links ----------------------------------------------------------------------------
@@ -448,7 +489,8 @@ class ChainRun:
         self._piece = 0  # of the record being read: its piece, and the offset in it
         self._offset = 0
         self._in_record = False
-        self._down_record: tuple[int, int] | None = None  # (kind, index) of a DONE/WAIT body
+        # (kind, index, count) of a DONE/WAIT body being read
+        self._down_record: tuple[int, int, int] | None = None
         self._done_sent = upstream is None
         self._abort_sent = False
         self._next_beat = time.monotonic() + heartbeat
@@ -693,28 +735,34 @@ class ChainRun:
             if self._down_record is None:
                 if not link.fill():
                     return
-                kind, reason, _, index, length = RECORD.unpack(bytes(link.buf))
+                kind, reason, count, index, length = RECORD.unpack(bytes(link.buf))
                 try:
                     check_record(kind, reason, index, length, downstream=False,
-                                 members=self.members, next_record=0, lengths=())
+                                 members=self.members, next_record=0, lengths=(),
+                                 count=count, report_bytes=self._report_bytes)
                 except ProtocolMismatchError as exc:
                     raise _Refused(str(exc)) from exc
-                self._down_record = (kind, index)
+                self._down_record = (kind, index, count)
                 link.expect(length)
             if not link.fill():
                 return
-            (kind, index), body = self._down_record, bytes(link.buf)
+            (kind, index, count), body = self._down_record, bytes(link.buf)
             self._down_record = None
             link.expect(RECORD.size)
             if kind == WAIT:
                 self.waiting_down = index
                 continue
+            split = index * FAILURE.size
             try:
-                failures = unpack_failures(body, self.members)
+                failures = unpack_failures(body[:split], self.members)
+                reports = unpack_reports(body[split:], count, self._report_bytes,
+                                         self.members)
             except ProtocolMismatchError as exc:
                 raise _Refused(str(exc)) from exc
             for member, reason in failures.items():
                 self.outcome.failures.setdefault(member, reason)
+            for member, report in reports.items():
+                self.outcome.reports.setdefault(member, report)
             self.down_done = True
             if self.forwarded < self.total:  # an early DONE: it refused; send no more
                 link.out.clear()
@@ -725,12 +773,12 @@ class ChainRun:
             if not self._in_record:
                 if not link.fill():
                     return
-                kind, reason, _, index, length = RECORD.unpack(bytes(link.buf))
+                kind, reason, count, index, length = RECORD.unpack(bytes(link.buf))
                 link.expect(RECORD.size)
                 try:
                     check_record(kind, reason, index, length, downstream=True,
                                  members=self.members, next_record=self.received,
-                                 lengths=self._lengths)
+                                 lengths=self._lengths, count=count)
                 except ProtocolMismatchError as exc:
                     raise _Refused(str(exc)) from exc
                 if kind == WAIT:
@@ -793,8 +841,9 @@ class ChainRun:
         failures = dict(self.outcome.failures)
         if self.refuse:
             failures[self.index] = REFUSED
-        body = pack_failures(failures)
-        self.up.queue(RECORD.pack(DONE, 0, 0, len(failures), len(body)), body)
+        reports = self.outcome.reports
+        body = pack_failures(failures) + pack_reports(reports)
+        self.up.queue(RECORD.pack(DONE, 0, len(reports), len(failures), len(body)), body)
         self._done_sent = True
         try:
             self.up.flush()

@@ -85,6 +85,8 @@ class LocalStream:
         self._timeout = timeout
         self._label = label
         self.failures: dict[int, Exception] = {}
+        #: What came with each receiver's ``TAKES`` (its need, from a relay's node-mate).
+        self.bodies: dict[int, bytes] = {}
 
     def open(self, frame: bytes) -> None:
         """Publish the opening and wait for every receiver's verdict.
@@ -105,7 +107,9 @@ class LocalStream:
                     f"{'is gone' if gone else 'did not answer within the timeout'}",
                     peer=self._name(member), op="broadcast")})
             elif verdict[0] != TAKES:
-                refused[member] = verdict
+                refused[member] = (verdict[0], verdict[1].decode("utf-8", "replace"))
+            else:
+                self.bodies[member] = verdict[1]
         if refused:
             first = min(refused)
             over = any(v == LIMIT_VERDICT for v, _ in refused.values())

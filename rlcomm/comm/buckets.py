@@ -367,34 +367,55 @@ class Landing:
         self, i: int, sel: Shard, e0: int, e1: int, src: torch.Tensor, dst: torch.Tensor
     ) -> int:
         """Copy the part of source elements ``e0:e1`` that falls in the shard; returns the
-        elements copied. The shard is, in the flat tensor, a run of ``L`` elements at
-        ``off`` in every outer row of ``R`` elements."""
+        elements copied."""
         shape = self.header.tensors[i].shape
         inner = math.prod(shape[sel.dim + 1 :])
-        rows_len = shape[sel.dim] * inner  # R
-        run = rows_len // sel.parts  # L
-        off = sel.index * run
-        copied = 0
-        r0 = e0 // rows_len
-        r1 = -(-e1 // rows_len)
-        # Whole outer rows in one strided copy; the partial ones at either end alone.
-        full0 = r0 if e0 == r0 * rows_len else r0 + 1
-        full1 = r1 if e1 == r1 * rows_len else r1 - 1
-        if full1 > full0:
-            block = src[full0 * rows_len - e0 : full1 * rows_len - e0].view(full1 - full0, rows_len)
-            dst[full0 * run : full1 * run].view(full1 - full0, run).copy_(
-                block[:, off : off + run])
-            copied += (full1 - full0) * run
-        for r in {r0, r1 - 1}:
-            if full0 <= r < full1:
-                continue
-            lo = max(e0, r * rows_len + off)
-            hi = min(e1, r * rows_len + off + run)
-            if hi > lo:
-                d = r * run + (lo - r * rows_len - off)
-                dst[d : d + hi - lo].copy_(src[lo - e0 : hi - e0])
-                copied += hi - lo
-        return copied
+        rows = shape[sel.dim] * inner
+        run = rows // sel.parts
+        return copy_slab(src, e0, e1, rows, sel.index * run, run, dst)
+
+
+# -- the run of a slice in the flat tensor ----------------------------------------------------
+#
+# A slice along a dimension (a shard, or rows ``lo:hi`` of it) is, in the flat tensor, a
+# run of ``run`` positions at ``off`` in every outer row of ``rows`` positions. Its own
+# flat layout (the *slab*) puts those runs end to end: position ``r * rows + off + j``
+# is slab position ``r * run + j``. Positions are elements or bytes, alike.
+
+
+def slab_count(e0: int, e1: int, rows: int, off: int, run: int) -> int:
+    """How many of the flat positions ``e0:e1`` fall in the slice."""
+    def before(p: int) -> int:
+        return p // rows * run + min(max(p % rows - off, 0), run)
+    return before(e1) - before(e0)
+
+
+def copy_slab(flat: torch.Tensor, e0: int, e1: int, rows: int, off: int, run: int,
+              slab: torch.Tensor, base: int = 0, to_slab: bool = True) -> int:
+    """Copy between the flat positions ``e0:e1`` (``flat[0]`` is position ``e0``) and the
+    slab (``slab[0]`` is slab position ``base``), either way; only the positions in the
+    slice. Returns how many were copied. Whole outer rows go in one strided copy; the
+    partial ones at either end alone."""
+    copied = 0
+    r0, r1 = e0 // rows, -(-e1 // rows)
+    full0 = r0 if e0 == r0 * rows else r0 + 1
+    full1 = r1 if e1 == r1 * rows else r1 - 1
+    if full1 > full0:
+        n = full1 - full0
+        block = flat[full0 * rows - e0 : full1 * rows - e0].view(n, rows)[:, off : off + run]
+        part = slab[full0 * run - base : full1 * run - base].view(n, run)
+        (part if to_slab else block).copy_(block if to_slab else part)
+        copied += n * run
+    for r in sorted({r0, r1 - 1}):
+        if full0 <= r < full1:
+            continue
+        lo, hi = max(e0, r * rows + off), min(e1, r * rows + off + run)
+        if hi > lo:
+            d = r * run + (lo - r * rows - off) - base
+            a, b = flat[lo - e0 : hi - e0], slab[d : d + hi - lo]
+            (b if to_slab else a).copy_(a if to_slab else b)
+            copied += hi - lo
+    return copied
 
 
 def header_bucket(header: MessageHeader) -> int:

@@ -38,6 +38,7 @@ from rlcomm.comm.broadcast_chain import (
     unpack_failures,
 )
 from rlcomm.errors import ProtocolMismatchError
+from tests.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY = group_key(b"s" * 32, "test group")
@@ -109,6 +110,36 @@ def test_records_a_link_may_carry_pass():
     _check(ABORT, 1, reason=LOST)
     _check(WAIT, 0, downstream=False)
     _check(DONE, 2, 2 * bc.FAILURE.size, downstream=False)
+
+
+@pytest.mark.parametrize("count, report_bytes, length, ok", [
+    (2, 5, 1 * 8 + 2 * (4 + 5), True),  # a failure and two reports
+    (0, 5, 8, True),  # a run that asks for reports, and none came yet
+    (2, 0, 8 + 8, False),  # reports in a run that asks for none
+    (5, 5, 8 + 5 * 9, False),  # more reports than members
+    (2, 5, 8 + 2 * 9 + 1, False),  # a body not of its counts
+])
+def test_a_done_carries_reports_only_of_the_size_the_run_asks(count, report_bytes, length, ok):
+    def check():
+        check_record(DONE, 0, 1, length, downstream=False, members=4, next_record=0,
+                     lengths=(), count=count, report_bytes=report_bytes)
+    if ok:
+        check()
+    else:
+        with pytest.raises(ProtocolMismatchError):
+            check()
+    with pytest.raises(ProtocolMismatchError):  # only a DONE counts reports
+        check_record(WAIT, 0, 1, 0, downstream=False, members=4, next_record=0, lengths=(),
+                     count=1, report_bytes=report_bytes or 1)
+
+
+def test_reports_round_trip_and_are_checked():
+    reports = {3: b"ccc", 1: b"aaa"}
+    assert bc.unpack_reports(bc.pack_reports(reports), 2, 3, 4) == reports
+    with pytest.raises(ProtocolMismatchError):  # no member 7 in a group of 4
+        bc.unpack_reports(bc.pack_reports({7: b"xxx"}), 1, 3, 4)
+    with pytest.raises(ProtocolMismatchError):  # one member twice
+        bc.unpack_reports(bc.pack_reports({1: b"aaa"}) * 2, 2, 3, 4)
 
 
 def test_failures_round_trip_and_are_checked():
@@ -244,12 +275,34 @@ def test_every_member_gets_an_odd_sized_payload_in_order(chains):
     assert [chain.runs[i].forwarded for i in range(3)] == [chain.runs[0].total] * 3
 
 
+def test_each_relay_s_report_reaches_the_source_in_done(chains):
+    chain = chains(4, [1 << 16], chunk=1 << 14)
+    reports = {i: bytes([i]) * 6 for i in (1, 2, 3)}
+    _join(chain.start(range(4), {0: dict(report_bytes=6)} | {
+        i: dict(report_bytes=6, report=r) for i, r in reports.items()}))
+    assert all(chain.holds_all(i) for i in (1, 2, 3))
+    assert chain.outcomes[0].reports == reports
+    assert chain.outcomes[2].reports == {2: reports[2], 3: reports[3]}
+    assert not any(o.failures or o.upstream_error for o in chain.outcomes.values())
+
+
+def test_a_relay_that_refuses_still_reports_and_stops_the_rest(chains):
+    chain = chains(4, [1 << 16], chunk=1 << 14)
+    reports = {i: bytes([i]) * 6 for i in (1, 2, 3)}
+    _join(chain.start(range(4), {0: dict(report_bytes=6)} | {
+        i: dict(report_bytes=6, report=r, refuse=i == 2) for i, r in reports.items()}))
+    assert chain.outcomes[0].failures == {2: REFUSED}
+    assert chain.outcomes[0].reports == {1: reports[1], 2: reports[2]}
+    assert chain.outcomes[3].upstream_error == (2, REFUSED)
+
+
 def test_a_member_that_comes_late_gets_it_and_so_do_those_after_it(chains):
     chain = chains(4, [4 << 20], chunk=1 << 20)
     threads = chain.start([0, 1, 3])
     # Member 2 is not there yet: member 1 holds everything, member 3 nothing.
-    while chain.runs.get(1) is None or chain.runs[1].received < chain.runs[1].total:
-        time.sleep(0.001)
+    wait_for(lambda: chain.runs.get(1) is not None
+             and chain.runs[1].received == chain.runs[1].total, "member 1 holds it all", 30,
+             interval=0.001)
     assert chain.runs[3].received == 0 if 3 in chain.runs else True
     threads += chain.start([2])
     _join(threads)

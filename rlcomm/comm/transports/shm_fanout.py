@@ -71,10 +71,12 @@ MESSAGE = struct.Struct("<QIIQQ")  # seq, slot, fd follows, slot bytes, frame by
 JOIN = struct.Struct("<IQ")
 #: A receiver's answer to a message: its sequence number, its verdict (:data:`TAKES`,
 #: :data:`REFUSES`, :data:`OVER_LIMIT`); then, when it does not take it, why (UTF-8 text
-#: of at most :data:`MAX_REASON` bytes).
+#: of at most :data:`MAX_REASON` bytes), and when it takes it, what the caller's protocol
+#: says with it (at most :data:`MAX_VERDICT_BODY` bytes, opaque here).
 VERDICT = struct.Struct("<QB")
 REFUSES, TAKES, OVER_LIMIT = 0, 1, 2
 MAX_REASON = 2048
+MAX_VERDICT_BODY = 64 << 10
 #: Most slots one stream of buckets goes through (the receivers keep their mappings).
 STREAM_SLOTS = min(2, MAX_SLOTS)
 _CRED = struct.Struct("3i")  # pid, uid, gid
@@ -165,7 +167,7 @@ class _Link:
         self.sent: set[int] = set()  # slots whose fd this receiver has
         self.alive = True
         self.limit = limit  # the largest message it said it takes
-        self.verdicts: dict[int, tuple[int, str]] = {}  # by message, what it answered
+        self.verdicts: dict[int, tuple[int, bytes]] = {}  # by message, what it answered
 
     def check_alive(self) -> bool:
         """Whether the receiver is there: read what it wrote (verdicts); an end of
@@ -182,7 +184,7 @@ class _Link:
         killed)."""
         while self.alive:
             try:
-                data = self.sock.recv(VERDICT.size + MAX_REASON, socket.MSG_DONTWAIT)
+                data = self.sock.recv(VERDICT.size + MAX_VERDICT_BODY, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -195,7 +197,7 @@ class _Link:
             if verdict not in (REFUSES, TAKES, OVER_LIMIT) or len(self.verdicts) > 64:
                 self.kill()
                 return
-            self.verdicts[seq] = (verdict, data[VERDICT.size :].decode("utf-8", "replace"))
+            self.verdicts[seq] = (verdict, data[VERDICT.size :])
 
     def kill(self) -> None:
         self.alive = False
@@ -237,8 +239,9 @@ class FanoutSource:
 
     def verdicts(
         self, seq: int, members: Collection[int], deadline: float
-    ) -> dict[int, tuple[int, str] | None]:
-        """What each of ``members`` answered to message ``seq`` (``(verdict, why not)``),
+    ) -> dict[int, tuple[int, bytes] | None]:
+        """What each of ``members`` answered to message ``seq`` (``(verdict, body)``: why
+        not, as UTF-8 text, or what came with a ``TAKES``),
         waiting until all answered or ``deadline``; ``None`` for a member that did not
         answer (gone, or too late)."""
         links = {m: self._links[m] for m in members if m in self._links}
@@ -254,7 +257,7 @@ class FanoutSource:
             poller.poll(max(0.0, left) * 1000)
             for link in waiting:
                 link.read_verdicts()
-        out: dict[int, tuple[bool, str] | None] = {}
+        out: dict[int, tuple[int, bytes] | None] = {}
         for m in members:
             link = links.get(m)
             out[m] = None if link is None else link.verdicts.pop(seq, None)

@@ -31,9 +31,11 @@ from rlcomm.comm.transports.shm_fanout import (
     MAX_HANDED,
     MAX_INLINE_FRAME,
     MAX_REASON,
+    MAX_VERDICT_BODY,
     MESSAGE,
     NO_SLOT,
     STREAM_SLOTS,
+    TAKES,
     VERDICT,
     payload_offsets,
     peer_credentials,
@@ -131,10 +133,14 @@ class FanoutSink:
         self._poller = select.poll()
         self._poller.register(self._sock, select.POLLIN)
 
-    def verdict(self, seq: int, verdict: int, why: str = "") -> None:
+    def verdict(self, seq: int, verdict: int, why: str = "", body: bytes = b"") -> None:
         """Tell the source whether this receiver takes message ``seq`` (``TAKES``,
-        ``REFUSES``, ``OVER_LIMIT``), and why not."""
-        data = VERDICT.pack(seq, verdict) + why.encode()[:MAX_REASON]
+        ``REFUSES``, ``OVER_LIMIT``), and why not; ``body``: what comes with a ``TAKES``
+        (at most ``MAX_VERDICT_BODY`` bytes)."""
+        if len(body) > MAX_VERDICT_BODY:
+            raise ValueError(f"a verdict body of {len(body)} bytes, over {MAX_VERDICT_BODY}")
+        data = VERDICT.pack(seq, verdict) + (body if verdict == TAKES
+                                             else why.encode()[:MAX_REASON])
         try:
             self._sock.send(data, socket.MSG_DONTWAIT)
         except OSError as exc:  # a full or closed socket: the source sees no verdict
