@@ -31,6 +31,7 @@ from rlcomm.comm.identity.registry import registry as registry_actor
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout, op_timeout
 from rlcomm.comm.rendezvous import Mailbox, Note, connect_store, post
 from rlcomm.comm.store import sub_store
+from rlcomm.comm.store_link import ForeignStoreError
 from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.registry import PairFacts, TransportSetup
 from rlcomm.errors import (
@@ -185,6 +186,12 @@ class Handshake:
         except PeerLostError as exc:
             raise PeerLostError(
                 f"cannot reach {peer} at {ep.host}:{ep.port}: its process is gone"
+            ) from exc
+        except ForeignStoreError as exc:
+            # A live worker holds its port: something else there means it is gone.
+            raise PeerLostError(
+                f"cannot reach {peer} at {ep.host}:{ep.port}: its process is gone (another "
+                f"process now answers at its port: {exc})", peer=peer, op="connect",
             ) from exc
         except CommError as exc:
             raise type(exc)(f"cannot reach {peer} at {ep.host}:{ep.port}: {exc}") from exc

@@ -35,6 +35,12 @@ from rlcomm.settings import get_settings
 logger = logging.getLogger(__name__)
 
 
+class ForeignStoreError(AuthenticationError):
+    """What answers at the address is not this job's store: not an rlcomm store, or one
+    that refused this process's prompt proof, or could not prove its own. Where the
+    address is a registered worker's, that worker's process no longer holds the port."""
+
+
 class StoreLink:
     """One authenticated client connection to a store server; the
     :class:`~rlcomm.comm.store.StoreClient` views made from it share it.
@@ -80,7 +86,7 @@ class StoreLink:
         try:
             hello = recv_exact(sock, HELLO, deadline)
             if hello[: len(MAGIC)] != MAGIC:
-                raise AuthenticationError(f"{self.where} is not an rlcomm store")
+                raise ForeignStoreError(f"{self.where} is not an rlcomm store")
             theirs = hello[len(MAGIC) :]
             mine = os.urandom(NONCE)
             sent = time.monotonic()
@@ -95,12 +101,14 @@ class StoreLink:
             ) from exc
         except OSError as exc:
             sock.close()
-            error = AuthenticationError(
+            late = isinstance(exc, ConnectionError) and sent - connected >= _late_proof()
+            error = (AuthenticationError if late else ForeignStoreError)(
                 f"the store at {self.where} refused this process's credentials "
-                f"({exc.__class__.__name__}): is it a worker of another job?"
+                f"({exc.__class__.__name__}): it is not one of this job's"
+                + (" (or this process proved itself too late)" if late else "")
             )
             error.__cause__ = exc
-            if isinstance(exc, ConnectionError) and sent - connected >= _late_proof():
+            if late:
                 raise _LateProof(error) from exc
             raise error from exc
         except BaseException:
@@ -108,7 +116,7 @@ class StoreLink:
             raise
         if not hmac.compare_digest(proof, mac(secret, b"server", mine, theirs)):
             sock.close()
-            raise AuthenticationError(
+            raise ForeignStoreError(
                 f"the store at {self.where} did not prove it belongs to this job"
             )
         return sock

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -172,9 +173,12 @@ _OUTSIDER = textwrap.dedent(
     out["tcpstore_s"] = time.monotonic() - start
     # 2. the store's own protocol, with a guessed secret.
     from rlcomm.comm.store import StoreClient
+    from rlcomm.errors import AuthenticationError
     try:
         c = StoreClient(host, port, b"guess" * 8, 4)
         out["guess"] = "read: %r" % c.check(["inbox/count"])
+    except AuthenticationError as exc:
+        out["guess"] = "refused: AuthenticationError"
     except Exception as exc:
         out["guess"] = "refused: " + type(exc).__name__
     # 3. raw bytes: what does the server say before any proof?
@@ -284,6 +288,68 @@ def test_a_killed_peer_fails_fast_without_any_connection(cluster, peers):
             assert name == "PeerLostError" and "trust_d:0" in text, (method, name, text)
             assert took < 10, (method, took)
     finally:
+        victim.shutdown()
+
+
+class _PortSquatter:
+    """A listener on a dead worker's port that answers every connection with ``hello``
+    (another job's store opens with rlcomm's magic; another service with its own), reads
+    what comes, and closes unanswered."""
+
+    def __init__(self, host: str, port: int, hello: bytes):
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(8)
+        self.answered = 0
+        self._hello = hello
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.sendall(self._hello)
+                    conn.recv(256)
+                except OSError:
+                    pass
+            self.answered += 1
+
+    def close(self) -> None:
+        self.sock.close()
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("hello", [b"RLCS1" + bytes(16), b"SSH-2.0-OpenSSH_9.6\r\n"],
+                         ids=["another job's store", "another service"])
+def test_a_dead_peer_whose_port_answers_as_another_is_named_gone(cluster, peers, hello):
+    """The peer was killed before first contact, and its port was taken by another
+    process: an op on it raises PeerLostError naming the peer (its process is gone),
+    not an authentication error sending the user after another job."""
+    a, _ = peers
+    victim = TrustPeer.create_group().launch(cluster, NodePlacementStrategy([0]), name="trust_g")
+    squatter = None
+    try:
+        ep = _endpoint("trust_g:0")
+        pid = victim.pid().wait(timeout=30)[0]
+        os.kill(pid, signal.SIGKILL)
+        wait_process_gone(pid)
+        squatter = _PortSquatter(ep.host, ep.port, hello)
+        for fn, args in (("send_one", ("x", "trust_g", 0)), ("recv_one", ("trust_g", 0))):
+            name, text, took = a.execute_on(0).expect_error(fn, *args, timeout=180).wait(
+                timeout=60)[0]
+            assert name == "PeerLostError" and "trust_g:0" in text, (fn, name, text)
+            assert "another job" not in text and took < 10, (fn, text, took)
+        assert squatter.answered >= 1  # the squatter, not an empty port, answered
+    finally:
+        if squatter is not None:
+            squatter.close()
         victim.shutdown()
 
 
