@@ -32,6 +32,7 @@ from rlcomm import (
     update_settings,
 )
 from tests.netns import GCS_PORT, RayNode, ray_env, wait_for_port
+from tests.waiting import wait_for
 
 WAIT = 90.0  # seconds any one step may take
 START_WAIT = 120.0  # for nodes and worker processes (slow on a busy machine)
@@ -123,22 +124,17 @@ def _until(what: str, check, timeout: float = WAIT, every: float = 0.02,
            handles: list | None = None) -> Any:
     """Poll ``check(seen)`` (an observable state of the cluster) until it is truthy; on
     timeout, say what it saw last and how the broadcast's ``handles`` ended."""
-    deadline = time.monotonic() + timeout
     seen: list = []
-    while True:
-        got = check(seen)
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            ended = []
-            for h in handles or []:
-                try:
-                    ended.append(h.wait(timeout=1))
-                except Exception as exc:  # noqa: BLE001 - for the message only
-                    ended.append(type(exc).__name__)
-            raise TimeoutError(f"{what}: not within {timeout}s; seen {seen[-3:]}; "
-                               f"the broadcast's calls: {ended}")
-        time.sleep(every)
+    try:
+        return wait_for(lambda: check(seen), what, timeout, interval=every)
+    except AssertionError as exc:
+        ended = []
+        for h in handles or []:
+            try:
+                ended.append(h.wait(timeout=1))
+            except Exception as err:  # noqa: BLE001 - for the message only
+                ended.append(type(err).__name__)
+        raise TimeoutError(f"{exc}; seen {seen[-3:]}; the broadcast's calls: {ended}") from exc
 
 
 def _read_mark(path: str, seen: list) -> dict | None:

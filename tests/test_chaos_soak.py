@@ -37,6 +37,7 @@ from rlcomm import Channel, CollectiveGroupOptions, NodePlacementStrategy, Worke
 from rlcomm.comm.identity.endpoint import decode_endpoint
 from rlcomm.comm.identity.registry import registry
 from rlcomm.errors import ChannelClosedError, RlcommError
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,13 +133,6 @@ def _acked(path: str) -> list[int]:
     return [int(line) for line in text.split("\n")[:-1]]
 
 
-def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_a_pipeline_survives_kills_freezes_and_idle_connections(cluster, tmp_path):
     channels = [Channel.create(name, maxsize=8) for name in CHANNELS]
     consumers = SoakConsumer.create_group().launch(cluster, NodePlacementStrategy([0, 0]),
@@ -169,7 +163,7 @@ def test_a_pipeline_survives_kills_freezes_and_idle_connections(cluster, tmp_pat
         killed_call = fourth.produce(CHANNELS[1], 1, KILLED_ITEMS, killed_acks, 1, False)
 
         # Kill the fourth producer part-way; its call fails with a named error.
-        _wait_for(lambda: len(_acked(killed_acks)) >= 20, "the fourth producer put nothing")
+        wait_for(lambda: len(_acked(killed_acks)) >= 20, "the fourth producer put nothing")
         os.kill(killed, signal.SIGKILL)
         killed_at = time.monotonic()
         with pytest.raises(RlcommError):
@@ -182,7 +176,7 @@ def test_a_pipeline_survives_kills_freezes_and_idle_connections(cluster, tmp_pat
         again = fourth.produce(CHANNELS[1], 1, 60, again_acks, 2, False)
 
         # Stop the second consumer for a few seconds, once it has taken some items.
-        _wait_for(lambda: Channel.connect(CHANNELS[1]).stats()[0]["gets"] >= 20,
+        wait_for(lambda: Channel.connect(CHANNELS[1]).stats()[0]["gets"] >= 20,
                   "the second consumer took nothing")
         os.kill(stopped, signal.SIGSTOP)
         try:

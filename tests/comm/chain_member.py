@@ -26,6 +26,7 @@ import time
 import torch
 
 from rlcomm.comm.broadcast_chain import ChainListener, ChainRun, plan_records
+from tests.waiting import wait_for
 
 
 def main() -> None:
@@ -50,8 +51,9 @@ def main() -> None:
 
     def stop_midway() -> None:
         forwarded = 1 if spec.get("linked", True) else 0
-        while run.received < spec["stop_after"] or run.forwarded < forwarded:
-            time.sleep(0.0005)
+        # By the run's deadline at the latest (past it the test has failed: this raises).
+        wait_for(lambda: run.received >= spec["stop_after"] and run.forwarded >= forwarded,
+                 "the member midway", max(0.0, deadline - time.monotonic()), interval=0.0005)
         os.kill(os.getpid(), signal.SIGSTOP)
 
     threading.Thread(target=stop_midway, daemon=True).start()

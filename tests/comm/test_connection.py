@@ -18,6 +18,7 @@ from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.errors import PeerLostError
 from tests.comm.pairs import connection_pair, receive, send, send_past_the_ring, two_stores
 from tests.comm.tcp_loopback import TcpLoopbackTransport
+from tests.waiting import wait_for
 
 KINDS = [
     pytest.param(ShmTransport, id="shm", marks=pytest.mark.skipif(
@@ -96,7 +97,7 @@ def test_a_pump_dispatches_its_own_reply_on_its_thread(conns):
     def reply_once_pumping(i: int) -> None:
         # The reply leaves once the pump holds the stream (the receiver thread, if it
         # held it, has left it to the pump): the pump must read it itself.
-        _wait_for(lambda: b.reader.lease is Lease.CALLER)
+        wait_for(lambda: b.reader.lease is Lease.CALLER, "the state", 10, interval=0.0005)
         send(a, i)
 
     for i in range(50):
@@ -111,16 +112,8 @@ def test_a_pump_dispatches_its_own_reply_on_its_thread(conns):
     assert all(ident == me for _, ident in seen)
     # With no pump running, the receiver thread dispatches.
     send(a, "background")
-    _wait_for(lambda: len(seen) == 51)
+    wait_for(lambda: len(seen) == 51, "the state", 10, interval=0.0005)
     assert seen[-1][0] == "background" and seen[-1][1] != me
-
-
-def _wait_for(cond, timeout: float = 10) -> None:
-    """Until ``cond()`` holds (observable state), at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "the state did not come about in time"
-        time.sleep(0.0005)
 
 
 def test_a_pump_ends_when_its_future_is_done_elsewhere(conns):
@@ -156,7 +149,8 @@ def test_a_connection_says_where_it_is_in_its_life():
     assert a.life is Life.ATTACHED and b.life is Life.ATTACHED
     a.close()
     assert a.life is Life.CLOSED
-    _wait_for(lambda: b.life is Life.FAILED)  # its reader saw the peer's end close
+    # its reader saw the peer's end close
+    wait_for(lambda: b.life is Life.FAILED, "the state", 10, interval=0.0005)
     assert isinstance(b.error, PeerLostError)
     b.close()
     pending.fail(PeerLostError("gone"))

@@ -182,7 +182,7 @@ def test_a_small_payload_is_staged_in_one_copy_and_the_send_does_not_wait(ipc):
     assert dev_b.copies == 1  # and out of it in one copy
     want = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
-    _wait(lambda: a.stats()["in_flight"] == 0)  # the ack freed the slot
+    wait_for(lambda: a.stats()["in_flight"] == 0, "the ack freed the slot", 10)
     assert a.stats()["acked"] == 1 and b.stats()["received"] == 1
 
 
@@ -298,9 +298,10 @@ def test_idle_staging_and_opened_memory_are_released(ipc):
     try:
         out = _send(a, [torch.ones(8)])
         b.accept(out.offer, [32], None, None, None)
-        _wait(lambda: a.stats()["in_flight"] == 0)
+        wait_for(lambda: a.stats()["in_flight"] == 0, "the condition", 10)
         assert a.stats()["staging_bytes"] and b.stats()["opened"] == 1
-        _wait(lambda: a.stats()["staging_bytes"] == 0 and b.stats()["opened"] == 0)
+        wait_for(lambda: a.stats()["staging_bytes"] == 0 and b.stats()["opened"] == 0,
+                 "the condition", 10)
         out = _send(a, [torch.full((8,), 3.0)])  # staging is made anew on demand
         assert b.accept(out.offer, [32], None, None, None)[0].view(torch.float32)[0] == 3.0
     finally:
@@ -329,14 +330,6 @@ def test_a_thousand_syncs_hold_no_more_memory_than_one(ipc):
         assert dev_b.allocated == 0
     assert a.stats()["acked"] == 1000
     assert torch.equal(dst[0], params[0])
-
-
-def _wait(cond, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 # -- the connection's choice, wired (GPU UUIDs faked) ---------------------------------------------
@@ -523,13 +516,13 @@ def test_a_peer_lost_mid_transfer_releases_what_it_held(linked):
     lent = [torch.randn(4096)]
     sender = threading.Thread(target=lambda: pytest.raises(PeerLostError, _send_device, a, lent))
     sender.start()
-    _wait(lambda: a._cuda.stats()["in_flight"] == 1)
+    wait_for(lambda: a._cuda.stats()["in_flight"] == 1, "the condition", 10)
     shares = list(a._cuda._shared)
     b.close()  # the receiver's process ends: its link and stream close
     sender.join(timeout=10)
     # The connection failed (its reader, or the waiting send, saw the peer gone), and
     # failing released what the dead peer held of this end's memory.
-    _wait(lambda: a.error is not None and a._cuda.stats()["lent"] == 0)
+    wait_for(lambda: a.error is not None and a._cuda.stats()["lent"] == 0, "the condition", 10)
     assert all(held(s) == 0 for s in shares)
 
 

@@ -13,6 +13,7 @@ import torch
 from rlcomm.comm.selector import Selector
 from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
+from rlcomm.comm.transports.shm_memory import SLEEPING
 from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
 from rlcomm.errors import PeerLostError
 from tests.comm.pairs import (
@@ -24,6 +25,7 @@ from tests.comm.pairs import (
     two_stores,
 )
 from tests.comm.tcp_loopback import TcpLoopbackTransport
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
 
@@ -53,11 +55,13 @@ def selector():
     sel.close()
 
 
-def _wait_until(cond, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+def _asleep(sender) -> bool:
+    """Whether the receiving end of ``sender`` (a shared-memory transport, or a
+    connection over one) sleeps: its flag in the ring's shared memory says so. Other
+    transports have no such flag: True."""
+    transport = getattr(sender, "_transport", sender)
+    ring = getattr(transport, "_out", None)
+    return ring is None or bool(ring.words[SLEEPING // 8])
 
 
 @pytest.mark.timeout(60)
@@ -76,15 +80,17 @@ def test_one_thread_reads_every_listened_connection_in_order(pairs, selector):
     # may be read by that thread; from the next one on, the selector reads.
     for _, b in pairs:
         send(b, torch.tensor([-1]))
-    _wait_until(lambda: all(v == [-1] for v in got.values()))
+    wait_for(lambda: all(v == [-1] for v in got.values()), "the state", 10, interval=0.005)
     got = {i: [] for i in range(3)}
     threads.clear()
-    for n in range(300):  # interleaved, with pauses so the selector also sleeps
+    for n in range(300):  # interleaved, with pauses in which the selector goes to sleep
         for _, b in pairs:
             send(b, torch.tensor([n]))
-        if n % 50 == 0:
-            time.sleep(0.01)
-    _wait_until(lambda: all(len(v) == 300 for v in got.values()))
+        if n % 50 == 0:  # everything so far read, and (on shared memory) asleep
+            wait_for(lambda n=n: all(len(v) == n + 1 for v in got.values())
+                     and all(_asleep(b) for _, b in pairs), "the burst read, the selector asleep",
+                     10, interval=0.005)
+    wait_for(lambda: all(len(v) == 300 for v in got.values()), "the state", 10, interval=0.005)
     assert all(v == list(range(300)) for v in got.values())
     assert threads == {"test-selector"}
     assert selector.connections == 3
@@ -108,14 +114,14 @@ def test_a_lost_peer_fails_its_connection_only(pairs, selector):
     for a, _ in pairs:
         a.listen(got.append, errors.append)
         selector.add(a)
-    _wait_until(lambda: selector.connections == 3)
+    wait_for(lambda: selector.connections == 3, "the state", 10, interval=0.005)
     pairs[1][1].close()  # the peer of connection 1 goes away
-    _wait_until(lambda: len(errors) == 1)
+    wait_for(lambda: len(errors) == 1, "the state", 10, interval=0.005)
     assert isinstance(errors[0], PeerLostError)
-    _wait_until(lambda: selector.connections == 2)
+    wait_for(lambda: selector.connections == 2, "the state", 10, interval=0.005)
     send(pairs[0][1], "still here")
     send(pairs[2][1], "me too")
-    _wait_until(lambda: len(got) == 2)
+    wait_for(lambda: len(got) == 2, "the state", 10, interval=0.005)
     assert sorted(got) == ["me too", "still here"]
 
 
@@ -126,10 +132,10 @@ def test_closing_the_selector_hands_connections_back(pairs, selector):
     a.listen(got.append, lambda exc: None)
     selector.add(a)
     send(b, 1)
-    _wait_until(lambda: got == [1])
+    wait_for(lambda: got == [1], "the state", 10, interval=0.005)
     selector.close()
     send(b, 2)  # read by the connection's receiver thread now
-    _wait_until(lambda: got == [1, 2])
+    wait_for(lambda: got == [1, 2], "the state", 10, interval=0.005)
     with pytest.raises(RuntimeError, match="closed"):
         selector.add(pairs[1][0])
 
@@ -141,9 +147,10 @@ def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores, sele
     try:
         a.listen(lambda obj: got.append((obj, threading.current_thread().name)), lambda e: None)
         selector.add(a)
-        _wait_until(lambda: selector.connections == 0)  # let go: Gloo cannot be polled
+        # let go: Gloo cannot be polled
+        wait_for(lambda: selector.connections == 0, "the state", 10, interval=0.005)
         send(b, "over gloo")
-        _wait_until(lambda: len(got) == 1)
+        wait_for(lambda: len(got) == 1, "the state", 10, interval=0.005)
         assert got == [("over gloo", "rlcomm-recv-b")]
     finally:
         a.close()
@@ -162,9 +169,12 @@ def test_wait_for_data_watches_several_transports(stores):
         assert time.monotonic() - start >= 0.04  # waited for the deadline
 
         def later(fn) -> threading.Thread:
-            # Meant to come while the wait below is under way; if it comes first, the
-            # wait finds the data at once, which the asserts accept too (weaker, not wrong).
-            t = threading.Thread(target=lambda: (time.sleep(0.05), fn()))
+            # Once the wait below sleeps (its flag in both rings says so).
+            def run() -> None:
+                wait_for(lambda: all(_asleep(p[1]) for p in pairs), "the wait sleeps", 10,
+                         interval=0.001)
+                fn()
+            t = threading.Thread(target=run)
             t.start()
             return t
 

@@ -22,6 +22,7 @@ from rlcomm import Channel, CollectiveGroupOptions, NodePlacementStrategy, Worke
 from rlcomm.comm.identity.endpoint import decode_endpoint
 from rlcomm.comm.identity.registry import registry
 from rlcomm.errors import CommError
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,13 +109,6 @@ def _endpoint(address: str):
     return decode_endpoint(ray.get(registry().get_endpoint.remote(address), timeout=30))
 
 
-def _wait_for(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_idle_connections_do_not_hold_a_mailbox_shut(cluster, job):
     """500 idle connections held to a worker's mailbox (reopened as the store drops
     them): a new peer connects and exchanges a message within 2 s, a live pair goes
@@ -134,7 +128,7 @@ def test_idle_connections_do_not_hold_a_mailbox_shut(cluster, job):
                                                 name="hang_new")
     try:
         assert holder.stdout.readline().strip() == "holding 500"
-        _wait_for(lambda: target().store_stats().wait(timeout=30)[0]["unproven"] >= 450,
+        wait_for(lambda: target().store_stats().wait(timeout=30)[0]["unproven"] >= 450,
                   "the idle connections are not held")
         echo = target().echo("hang_new", 0)
         took = newcomer.ping(GROUP, 0).wait(timeout=60)[0]
@@ -149,7 +143,7 @@ def test_idle_connections_do_not_hold_a_mailbox_shut(cluster, job):
         assert stats["unproven"] >= 100, stats  # still under attack
         assert target().store_threads().wait(timeout=30)[0] == threads_before == ["rlcomm-store"]
         # The store dropped idle connections at their deadline, and they came back.
-        _wait_for(lambda: target().store_stats().wait(timeout=30)[0]["no_proof_in_time"] >= 500,
+        wait_for(lambda: target().store_stats().wait(timeout=30)[0]["no_proof_in_time"] >= 500,
                   "idle connections were not dropped")
     finally:
         holder.kill()
@@ -218,7 +212,7 @@ def test_a_timed_out_recv_says_what_its_peer_is_doing(job):
     A stopped peer cannot be asked, and the error says that instead."""
     blocked = job.execute_on(7).recv_one(GROUP, 8, 120)
     try:
-        _wait_for(lambda: any(
+        wait_for(lambda: any(
             w["address"] == f"{GROUP}:7" and w.get("pending")
             for w in rlcomm.job_status().workers
         ), "hang:7 is not in its recv")

@@ -10,7 +10,6 @@ import datetime
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -27,6 +26,7 @@ from rlcomm.comm.store_wire import (
     mac,
 )
 from rlcomm.errors import AuthenticationError, CommTimeoutError
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,13 +132,6 @@ def _read_to_end(sock: socket.socket) -> bytes:
     return data
 
 
-def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def server():
     srv = StoreServer("127.0.0.1", SECRET, status=lambda detail: f"report {detail}".encode(),
@@ -151,7 +144,7 @@ def test_idle_connections_cost_no_thread_and_hold_nobody_up(server):
     before = _store_threads()
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(300)]
     try:
-        _wait_for(lambda: server.stats()["unproven"] == 300, "the idle connections were not accepted")
+        wait_for(lambda: server.stats()["unproven"] == 300, "the idle connections were not accepted")
         clients = [StoreClient("127.0.0.1", server.port, SECRET, 5) for _ in range(20)]
         for i, c in enumerate(clients):
             c.set(f"k{i}", b"v")
@@ -159,7 +152,7 @@ def test_idle_connections_cost_no_thread_and_hold_nobody_up(server):
         assert server.stats()["proven"] == 20
         assert _store_threads() == before  # one loop thread, whatever the clients
         # Unproven connections are dropped at their deadline; proven ones stay.
-        _wait_for(lambda: server.stats()["unproven"] == 0, "idle connections were kept")
+        wait_for(lambda: server.stats()["unproven"] == 0, "idle connections were kept")
         assert server.counts["no_proof_in_time"] == 300
         assert all(len(_read_to_end(s)) == len(MAGIC) + NONCE for s in idle[:5])
         assert clients[5].get("k0") == b"v"
@@ -173,7 +166,7 @@ def test_over_the_bound_the_oldest_unproven_connection_is_dropped():
     try:
         proven = StoreClient("127.0.0.1", srv.port, SECRET, 5)
         idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(60)]
-        _wait_for(lambda: srv.counts["evicted"] == 11, "the oldest were not dropped")
+        wait_for(lambda: srv.counts["evicted"] == 11, "the oldest were not dropped")
         assert srv.stats()["connections"] == 50
         assert len(_read_to_end(idle[0])) == len(MAGIC) + NONCE  # greeted, then closed
         # A new client still gets in (it drops the oldest idle one), and the proven one
@@ -194,7 +187,7 @@ def test_a_wrong_proof_is_closed_unanswered_and_counted(server):
     assert len(raw.recv(64)) == len(MAGIC) + NONCE
     raw.sendall(os.urandom(PROOF + 100))  # more than a proof: nothing past it is read
     assert _read_to_end(raw) == b""
-    _wait_for(lambda: server.counts["wrong_proof"] == 2, "wrong proofs not counted")
+    wait_for(lambda: server.counts["wrong_proof"] == 2, "wrong proofs not counted")
 
 
 def test_waits_are_parked_and_never_block_the_loop(server):
@@ -206,7 +199,7 @@ def test_waits_are_parked_and_never_block_the_loop(server):
 
     t = threading.Thread(target=wait_both)
     t.start()
-    _wait_for(lambda: server.stats()["parked"] == 1, "the wait was not parked")
+    wait_for(lambda: server.stats()["parked"] == 1, "the wait was not parked")
     setter.set("a", b"1")  # served while the wait is parked
     assert setter.get("a") == b"1" and server.stats()["parked"] == 1
     setter.set("b", b"2")
@@ -235,7 +228,7 @@ def test_one_set_answers_every_get_and_one_take(server):
     threads += [threading.Thread(target=get, args=(i,)) for i in (2, 3)]
     for t in threads:
         t.start()
-    _wait_for(lambda: server.stats()["parked"] == 4, "not all parked")
+    wait_for(lambda: server.stats()["parked"] == 4, "not all parked")
     c[4].set("g", b"v")
     c[4].set("t", b"w")
     for t in threads:

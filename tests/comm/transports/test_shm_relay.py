@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from rlcomm.comm.transports import shm_memory, shm_relay
 from rlcomm.comm.transports.shm_memory import FIRST_RELAY_SLOT, MAX_SEGMENTS, new_memfd
 from rlcomm.errors import ProtocolMismatchError
 from tests.comm.pairs import transport_pair, two_stores
+from tests.waiting import wait_for
 
 N = 1 << 20
 
@@ -43,14 +43,6 @@ def _hop(src, dst, tensor: torch.Tensor) -> torch.Tensor:
     return got
 
 
-def _until(cond, what: str, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, what
-        gc.collect()
-        time.sleep(0.005)
-
-
 def test_a_forwarded_payload_is_the_producers_segment_not_a_copy(chain):
     producer, relay_in, relay_out, consumer = chain
     x = _bytes(1)
@@ -66,7 +58,8 @@ def test_a_forwarded_payload_is_the_producers_segment_not_a_copy(chain):
     gc.collect()
     assert producer._out.states[0] == 1
     del got
-    _until(lambda: producer._out.states[0] == 0, "the producer's segment came back")
+    wait_for(lambda: gc.collect() >= 0 and producer._out.states[0] == 0,
+             "the producer's segment came back", 5)
 
 
 def test_the_next_payload_reuses_the_slot_without_a_new_mapping(chain):
@@ -79,7 +72,8 @@ def test_the_next_payload_reuses_the_slot_without_a_new_mapping(chain):
         ids.append(dict(consumer._segments.relayed))
         del got
         gc.collect()
-        _until(lambda: producer._out.states[0] == 0, "segment back")
+        wait_for(lambda: gc.collect() >= 0 and producer._out.states[0] == 0, "segment back",
+                 5)
     assert len(producer._pool.segments) == 1  # one segment, going round
     assert all(i == ids[0] for i in ids)  # one relay slot, one mapping, passed once
     assert relay_out._pool.segments == []
@@ -96,11 +90,13 @@ def test_a_consumer_that_keeps_views_gets_copies_past_its_pin_limit(chain):
         kept.append(got)
     # Relayed views count toward the consumer's pin limit like the relay's own segments:
     # past it, payloads are copied out and their slots (and producer segments) released.
-    _until(lambda: consumer._pinned() <= limit + 1, "copies past the pin limit")
+    wait_for(lambda: gc.collect() >= 0 and consumer._pinned() <= limit + 1,
+             "copies past the pin limit", 5)
     assert torch.equal(kept[-1], _bytes(limit + 7))
     assert all(torch.equal(t, _bytes(seed)) for seed, t in enumerate(kept))
     kept.clear()
-    _until(lambda: not producer._out.states.any(), "every producer segment back")
+    wait_for(lambda: gc.collect() >= 0 and not producer._out.states.any(),
+             "every producer segment back", 5)
 
 
 def test_relayed_segments_only_in_relay_slots_and_never_past_a_memfds_end(chain):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rlcomm.comm.transports import bulk_copy
+from tests.waiting import wait_for
 
 _stream_copy = pytest.importorskip("rlcomm.comm.transports._stream_copy")
 
@@ -60,8 +61,7 @@ def test_a_copy_releases_the_gil():
 
     t = threading.Thread(target=ticker)
     t.start()
-    while not ticks:
-        time.sleep(0.001)
+    wait_for(lambda: ticks, "the ticker ticking", 10, interval=0.001)
     start = time.perf_counter()
     _stream_copy.copy(dst.data_ptr(), src.data_ptr(), n)
     end = time.perf_counter()
