@@ -87,7 +87,7 @@ class Member(Worker):
 
     def progress(self, groups: list) -> dict | None:
         """Where this member's broadcast on ``groups`` is (its group's ``progress()``)."""
-        from rlcomm.comm.broadcast import expand_groups
+        from rlcomm.comm.broadcast.group import expand_groups
 
         group = self._comm._bcast.get(tuple(expand_groups(groups)))
         return None if group is None else group.progress()

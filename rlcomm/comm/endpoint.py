@@ -30,11 +30,11 @@ import torch
 from rlcomm.comm import codec
 from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.connection.selector import Selector
 from rlcomm.comm.handshake import parse_address
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout
-from rlcomm.comm.selector import Selector
 from rlcomm.comm.status import add_section
 from rlcomm.comm.transports import shm_relay
 from rlcomm.comm.transports.shm_memory import RING_BYTES
@@ -191,7 +191,7 @@ class Endpoint:
 
 class PeerSelector:
     """Reads many listened peers on one thread it owns (see
-    :mod:`rlcomm.comm.selector`); their messages are dispatched on that thread.
+    :mod:`rlcomm.comm.connection.selector`); their messages are dispatched on that thread.
 
     Args:
         name: the thread's name.

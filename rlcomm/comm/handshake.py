@@ -29,9 +29,9 @@ from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.identity.endpoint import Endpoint, decode_endpoint
 from rlcomm.comm.identity.registry import registry as registry_actor
 from rlcomm.comm.options import CollectiveGroupOptions, default_timeout, op_timeout
-from rlcomm.comm.rendezvous import Mailbox, Note, connect_store, post
-from rlcomm.comm.store import sub_store
-from rlcomm.comm.store_link import ForeignStoreError
+from rlcomm.comm.store.client import sub_store
+from rlcomm.comm.store.link import ForeignStoreError
+from rlcomm.comm.store.rendezvous import Mailbox, Note, connect_store, post
 from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.registry import PairFacts, TransportSetup
 from rlcomm.errors import (

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, status
-from rlcomm.comm.broadcast import BroadcastGroup, GroupsSpec, expand_groups
+from rlcomm.comm.broadcast.group import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.buckets import MIN_BUCKET, stream_bucket
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.sender import DeviceOrder
@@ -39,7 +39,7 @@ from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.identity.endpoint import decode_endpoint, encode_endpoint
 from rlcomm.comm.identity.registry import job_secret, registry
 from rlcomm.comm.options import CollectiveGroupOptions, op_timeout
-from rlcomm.comm.store import sub_store
+from rlcomm.comm.store.client import sub_store
 from rlcomm.comm.work import AsyncWork
 from rlcomm.errors import (
     CommError,

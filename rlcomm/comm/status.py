@@ -2,7 +2,7 @@
 that a timeout's error carries.
 
 **A process's report.** Every process with a :class:`~rlcomm.comm.manager.CommManager`
-answers the ``status`` request of its mailbox store (:mod:`rlcomm.comm.store`) with
+answers the ``status`` request of its mailbox store (:mod:`rlcomm.comm.store.client`) with
 :func:`report`: who it is (address, node, pid), its ops under way with their age and the
 last ones that ended (:mod:`rlcomm.comm.flight`), its connections (peer, transport,
 state, bytes received and not yet read), its store's connections, and each channel it
@@ -40,7 +40,7 @@ import msgspec
 
 from rlcomm.comm.flight import RECORDER, Op
 from rlcomm.comm.identity.endpoint import Endpoint, decode_endpoint
-from rlcomm.comm.store_link import StoreLink
+from rlcomm.comm.store.link import StoreLink
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, RlcommError
 
 _encode = msgspec.msgpack.Encoder().encode

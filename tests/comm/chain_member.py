@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from rlcomm.comm.broadcast_chain import ChainListener, ChainRun, plan_records
+from rlcomm.comm.broadcast.chain import ChainListener, ChainRun, plan_records
 from tests.waiting import wait_for
 
 

@@ -67,20 +67,20 @@ class Caster(Worker):
 
     def broadcast_plan(self, groups, src_index):
         """The local and remote receivers this member's group computes for a source."""
-        from rlcomm.comm.broadcast import expand_groups
+        from rlcomm.comm.broadcast.group import expand_groups
 
         group = self._comm._bcast[tuple(expand_groups(groups))]
         return group.plan(src_index)
 
     def broadcast_relays(self, groups, src_index):
         """Each other node's relay and the members it fans out to, for a source."""
-        from rlcomm.comm.broadcast import expand_groups
+        from rlcomm.comm.broadcast.group import expand_groups
 
         return self._comm._bcast[tuple(expand_groups(groups))].relays(src_index)
 
     def broadcast_progress(self, groups):
         """This member's group's ``progress()`` (its latest broadcast)."""
-        from rlcomm.comm.broadcast import expand_groups
+        from rlcomm.comm.broadcast.group import expand_groups
 
         return self._comm._bcast[tuple(expand_groups(groups))].progress()
 

@@ -1,4 +1,4 @@
-"""The broadcast chain (:mod:`rlcomm.comm.broadcast_chain`) without Ray: its pure parts
+"""The broadcast chain (:mod:`rlcomm.comm.broadcast.chain`) without Ray: its pure parts
 as tables, and chains of real sockets on loopback, with members in threads and, for the
 member that dies or stops, in a process of its own (killed with SIGKILL, stopped with
 SIGSTOP in the middle of the stream)."""
@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-from rlcomm.comm import broadcast_chain as bc
-from rlcomm.comm.broadcast_chain import (
+from rlcomm.comm.broadcast import chain as bc
+from rlcomm.comm.broadcast.chain import (
     ABORT,
     DATA,
     DONE,

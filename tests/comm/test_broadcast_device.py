@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from rlcomm.comm import codec, framing
-from rlcomm.comm.broadcast_device import SETUP, DeviceFanout, plan_by_gpu
+from rlcomm.comm.broadcast.device import SETUP, DeviceFanout, plan_by_gpu
 from rlcomm.comm.bucket_iter import Buckets
 from rlcomm.comm.buckets import Shard
-from rlcomm.comm.store import StoreClient, StoreServer
+from rlcomm.comm.store.client import StoreClient, StoreServer
 from rlcomm.comm.taking import Taking
 from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.cuda_ipc import CudaIpcTransport

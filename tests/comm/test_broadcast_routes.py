@@ -1,5 +1,5 @@
 """What each node takes of a streamed broadcast, and the bytes its link carries
-(:mod:`rlcomm.comm.broadcast_routes`): pure parts, as tables and against slicing."""
+(:mod:`rlcomm.comm.broadcast.routes`): pure parts, as tables and against slicing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcomm.comm import codec
-from rlcomm.comm.broadcast_routes import (
+from rlcomm.comm.broadcast.routes import (
     ENTRY,
     MAX_VERDICT_NEED,
     Route,

@@ -27,7 +27,7 @@ from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.identity.address import WorkerAddress
-from rlcomm.comm.store import StoreClient, StoreServer, sub_store
+from rlcomm.comm.store.client import StoreClient, StoreServer, sub_store
 from rlcomm.comm.transports import gpus, registry
 from rlcomm.comm.transports.cuda_ipc import (
     ALIGN,

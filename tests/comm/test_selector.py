@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rlcomm.comm.selector import Selector
+from rlcomm.comm.connection.selector import Selector
 from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.comm.transports.shm_memory import SLEEPING

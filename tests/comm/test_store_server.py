@@ -13,9 +13,9 @@ import threading
 
 import pytest
 
-from rlcomm.comm.store import StoreClient, StoreServer
-from rlcomm.comm.store_session import Phase, Session
-from rlcomm.comm.store_wire import (
+from rlcomm.comm.store.client import StoreClient, StoreServer
+from rlcomm.comm.store.session import Phase, Session
+from rlcomm.comm.store.wire import (
     HANDSHAKE_SECONDS,
     LEN,
     MAGIC,

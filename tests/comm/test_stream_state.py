@@ -355,7 +355,7 @@ def test_a_message_that_does_not_check_out_is_refused_before_anything_is_allocat
 def test_a_broadcast_frame_is_checked_as_a_message_is(header, inline, text):
     """The Gloo route of a broadcast reads a payload through the same check as a
     connection: refused before its group is made or anything is allocated."""
-    from rlcomm.comm.broadcast_gloo import GlooBroadcast
+    from rlcomm.comm.broadcast.gloo import GlooBroadcast
 
     def no_store():
         raise AssertionError("the group was made for a refused broadcast")

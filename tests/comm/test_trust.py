@@ -28,9 +28,9 @@ from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.identity.endpoint import decode_endpoint
 from rlcomm.comm.identity.registry import job_secret, registry
-from rlcomm.comm.rendezvous import Note, post
 from rlcomm.comm.status import process_status
-from rlcomm.comm.store import StoreClient, StoreServer
+from rlcomm.comm.store.client import StoreClient, StoreServer
+from rlcomm.comm.store.rendezvous import Note, post
 from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import ShmTransport
 from rlcomm.errors import (
@@ -172,7 +172,7 @@ _OUTSIDER = textwrap.dedent(
         out["tcpstore"] = "refused: " + type(exc).__name__
     out["tcpstore_s"] = time.monotonic() - start
     # 2. the store's own protocol, with a guessed secret.
-    from rlcomm.comm.store import StoreClient
+    from rlcomm.comm.store.client import StoreClient
     from rlcomm.errors import AuthenticationError
     try:
         c = StoreClient(host, port, b"guess" * 8, 4)

@@ -34,7 +34,7 @@ from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.reader import Reader
 from rlcomm.comm.connection.receiver import start_receiver_thread
 from rlcomm.comm.connection.sender import DeviceOrder, Sender
-from rlcomm.comm.store import sub_store
+from rlcomm.comm.store.client import sub_store
 from rlcomm.comm.taking import Receipt, Taking
 from rlcomm.comm.transports import gpus, registry
 from rlcomm.comm.transports.base import OneSidedTransport, Transport

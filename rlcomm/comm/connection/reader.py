@@ -4,7 +4,7 @@ The read side's state (who reads the stream, the receive ops' turns, the bounded
 the listener) is :class:`~.stream.StreamState`, a pure state machine. :class:`Reader`
 holds it with the connection's lock and does its I/O: by default the reader's *driver*
 reads (its receiver thread, :mod:`.receiver`, or a shared
-:class:`~rlcomm.comm.selector.Selector`, through the driver methods below), so a peer's
+:class:`~rlcomm.comm.connection.selector.Selector`, through the driver methods below), so a peer's
 send never waits for this worker to call ``recv``; messages go to the inbox (while it is
 full, the driver stops reading). On a pollable transport a receive op that finds the
 inbox empty reads its own message (the fast path: no thread hop), waking the driver out

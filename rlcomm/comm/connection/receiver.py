@@ -2,7 +2,7 @@
 
 Each attached connection starts one. It reads the stream whenever nobody else may (no
 receive op wants it, the inbox is under its cap), so a peer's send never waits for this
-worker's code to call ``recv``. While a :class:`~rlcomm.comm.selector.Selector` drives
+worker's code to call ``recv``. While a :class:`~rlcomm.comm.connection.selector.Selector` drives
 the reader instead, the thread only waits to be handed the stream back, or for the end.
 It owns nothing but its loop: what the stream lets it do is the
 :class:`~.stream.StreamState`'s to say (through the reader's driver methods).

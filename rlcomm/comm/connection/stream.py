@@ -6,7 +6,7 @@ all of it and changes it only through the transitions below. It has no threads, 
 descriptors and no clock: a transition that depends on time takes ``now`` (monotonic
 seconds), and each returns what its driver does next. The drivers
 (:class:`~.reader.Reader` for receive ops and pumps, :mod:`.receiver`'s thread, a
-:class:`~rlcomm.comm.selector.Selector`) do the I/O and hold the connection's lock only
+:class:`~rlcomm.comm.connection.selector.Selector`) do the I/O and hold the connection's lock only
 around calls into it.
 
 The *lease* says who may read the stream:

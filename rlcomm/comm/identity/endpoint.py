@@ -2,7 +2,7 @@
 
 Every communicating process publishes its endpoint in the registry under its address
 (encoded with :func:`encode_endpoint`); a peer, or ``python -m rlcomm status``, reads it
-back with :func:`decode_endpoint`. The mailbox itself is :mod:`rlcomm.comm.rendezvous`.
+back with :func:`decode_endpoint`. The mailbox itself is :mod:`rlcomm.comm.store.rendezvous`.
 """
 
 from __future__ import annotations

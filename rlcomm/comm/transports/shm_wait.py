@@ -1,7 +1,7 @@
 """Waiting for incoming data on shared-memory transports: spin a moment, then sleep.
 
 One wait may watch several transports at once (:func:`wait_for_data`), so one thread
-can serve many same-node peers (:class:`~rlcomm.comm.selector.Selector`) instead of one
+can serve many same-node peers (:class:`~rlcomm.comm.connection.selector.Selector`) instead of one
 waiting thread per peer.
 
 A waiter first checks the rings for a moment, yielding the CPU between looks

@@ -2,7 +2,7 @@
 relays, in records of ``RLCOMM_BCAST_CHUNK_BYTES``.
 
 The chain of a broadcast is its source, then each other node's relay in member order
-(:meth:`~rlcomm.comm.broadcast.BroadcastGroup.relays`). Each member of the chain receives
+(:meth:`~rlcomm.comm.broadcast.group.BroadcastGroup.relays`). Each member of the chain receives
 the payload from the one before it and passes it to the one after it: it forwards record
 ``k`` as soon as it holds all of it, while record ``k + 1`` arrives. A broadcast to ``n``
 nodes then takes about one transfer plus ``n - 2`` record times, and each node's link
@@ -25,7 +25,7 @@ and ``ABORT`` (member ``m`` is gone, or timed out: nothing more comes). Upstream
 carries ``WAIT`` and, once the downstream member, its node-mates and everything after it
 are done, ``DONE`` with the failures seen there, and, in a run that asks for them, a
 *report* of fixed size from each member there (what each node takes of a streamed
-payload, :mod:`~rlcomm.comm.broadcast_routes`). So:
+payload, :mod:`~rlcomm.comm.broadcast.routes`). So:
 
 - a relay that dies makes its successor see the link break; the successor sends
   ``ABORT`` on, and every member after it, and their node-mates, raise

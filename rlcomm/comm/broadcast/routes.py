@@ -9,7 +9,7 @@ its verdict on the opening), cut to one run of rows: members that take parts 0 a
 4 need rows ``0:n/2``; parts 0 and 2, rows ``0:3n/4``.
 
 Before the first bucket, each relay reports its node's need up the chain (in the
-``DONE`` of an empty run, :mod:`~rlcomm.comm.broadcast_chain`), and the source passes
+``DONE`` of an empty run, :mod:`~rlcomm.comm.broadcast.chain`), and the source passes
 every relay's need down the chain (a run of its own). Every member then works out the
 same *routes*: the relays grouped by need, in chain order, each group a chain of its own
 from the source (:func:`routes`). Nodes that take everything form one chain, as without

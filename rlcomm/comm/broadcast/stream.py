@@ -11,7 +11,7 @@ empty. A failure part-way (a receiver that stops reading, the source's own) send
 others a stream note too.
 
 A stream note is a frame: an empty message's header, then :data:`STREAM_NOTE`, the
-member to blame, the reason (:data:`~rlcomm.comm.broadcast_chain.REASONS`, or
+member to blame, the reason (:data:`~rlcomm.comm.broadcast.chain.REASONS`, or
 :data:`OVER_LIMIT`) and a few words of text.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from rlcomm.comm import codec, framing
-from rlcomm.comm.broadcast_chain import LOST, REFUSED, TIMEOUT
+from rlcomm.comm.broadcast.chain import LOST, REFUSED, TIMEOUT
 from rlcomm.comm.buckets import Bucket
 from rlcomm.comm.transports.shm_fanout import OVER_LIMIT as LIMIT_VERDICT
 from rlcomm.comm.transports.shm_fanout import TAKES, FanoutSource

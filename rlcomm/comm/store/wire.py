@@ -1,4 +1,4 @@
-"""The wire of rlcomm's authenticated store (:mod:`rlcomm.comm.store`): frames, the
+"""The wire of rlcomm's authenticated store (:mod:`rlcomm.comm.store.client`): frames, the
 handshake's MACs, request codes and limits, shared by the server and its clients."""
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ they hold the job's secret:
    which the client checks in turn.
 
 A connection that fails the check is logged and closed: it never reads or writes a key.
-The client's end of a connection (:mod:`rlcomm.comm.store_link`) imports no torch; this
+The client's end of a connection (:mod:`rlcomm.comm.store.link`) imports no torch; this
 module puts torch's ``Store`` interface over it. The server
-(:mod:`rlcomm.comm.store_server`) serves every client from one event loop: a
+(:mod:`rlcomm.comm.store.server`) serves every client from one event loop: a
 connection that has not proven itself costs no thread, must send its proof within the
 ``store_auth_timeout`` setting (2 s) and is dropped after it; the number of connections
 is bounded (the ``store_max_connections`` setting), the oldest unproven ones dropped
 first. Frames have a size limit, and a started frame must arrive whole within
-:data:`~rlcomm.comm.store_wire.HANDSHAKE_SECONDS`.
+:data:`~rlcomm.comm.store.wire.HANDSHAKE_SECONDS`.
 
 Keys and values are bytes; ``add`` keeps a decimal integer, as TCPStore does. A client
 connection serves one request at a time; a blocking ``get``, ``wait`` or ``take`` is
@@ -34,9 +34,9 @@ import datetime
 
 import torch.distributed as dist
 
-from rlcomm.comm.store_link import StoreLink
-from rlcomm.comm.store_server import StoreServer, local_reader
-from rlcomm.comm.store_wire import (
+from rlcomm.comm.store.link import StoreLink
+from rlcomm.comm.store.server import StoreServer, local_reader
+from rlcomm.comm.store.wire import (
     OP_ADD,
     OP_APPEND,
     OP_CHECK,
@@ -64,7 +64,7 @@ class StoreClient(dist.Store):
 
     Raises:
         AuthenticationError, PeerLostError, CommTimeoutError: from connecting, as
-            :class:`~rlcomm.comm.store_link.StoreLink` says.
+            :class:`~rlcomm.comm.store.link.StoreLink` says.
     """
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float,

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec
-from rlcomm.comm.store import sub_store
+from rlcomm.comm.store.client import sub_store
 from rlcomm.comm.transports import registry
 from rlcomm.comm.transports.base import OneSidedTransport
 from rlcomm.comm.transports.cuda_device import CUDA, DeviceOps

@@ -1,10 +1,10 @@
-"""The server side of rlcomm's authenticated store (see :mod:`rlcomm.comm.store`): its
+"""The server side of rlcomm's authenticated store (see :mod:`rlcomm.comm.store.client`): its
 key table, the one thread that serves every client from an event loop, and the owner's
 own reads without a connection (:func:`local_reader`).
 
 One thread (``rlcomm-store``) owns the listening socket and every client socket, and
 waits on all of them at once (``selectors``). Each client's protocol is a
-:class:`~rlcomm.comm.store_session.Session` (sans-IO); the loop only moves bytes, runs
+:class:`~rlcomm.comm.store.session.Session` (sans-IO); the loop only moves bytes, runs
 requests on the table, and keeps deadlines:
 
 - a connection that has not proven it belongs to the job costs a socket and a few
@@ -19,7 +19,7 @@ requests on the table, and keeps deadlines:
   blocks the loop. The ``status`` request runs on a thread of its own
   (``rlcomm-status``), so a report that is slow to gather never holds up the loop;
 - every ready client is served in turn, one request (and at most
-  :data:`~rlcomm.comm.store_session.READ_CHUNK` bytes) per turn, so proven clients are
+  :data:`~rlcomm.comm.store.session.READ_CHUNK` bytes) per turn, so proven clients are
   served whatever unproven ones do.
 
 The table is also read by the owning process itself (the mailbox takes its notes with
@@ -46,8 +46,8 @@ from typing import Any
 
 import msgspec
 
-from rlcomm.comm.store_session import Phase, Session
-from rlcomm.comm.store_wire import (
+from rlcomm.comm.store.session import Phase, Session
+from rlcomm.comm.store.wire import (
     HANDSHAKE_SECONDS,
     LEN,
     NONCE,

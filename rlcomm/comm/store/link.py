@@ -1,8 +1,8 @@
-"""The client's end of a connection to rlcomm's authenticated store (:mod:`rlcomm.comm.store`):
+"""The client's end of a connection to rlcomm's authenticated store (:mod:`rlcomm.comm.store.client`):
 connecting, the handshake, and one request at a time.
 
 It imports no torch: ``python -m rlcomm status`` asks every process for its report over
-a :class:`StoreLink` alone, and :class:`~rlcomm.comm.store.StoreClient` puts the
+a :class:`StoreLink` alone, and :class:`~rlcomm.comm.store.client.StoreClient` puts the
 ``torch.distributed.Store`` interface over one.
 """
 
@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 
-from rlcomm.comm.store_wire import (
+from rlcomm.comm.store.wire import (
     HANDSHAKE_SECONDS,
     HELLO,
     MAC,
@@ -43,7 +43,7 @@ class ForeignStoreError(AuthenticationError):
 
 class StoreLink:
     """One authenticated client connection to a store server; the
-    :class:`~rlcomm.comm.store.StoreClient` views made from it share it.
+    :class:`~rlcomm.comm.store.client.StoreClient` views made from it share it.
 
     Args:
         host, port: the server.

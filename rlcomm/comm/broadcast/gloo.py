@@ -14,7 +14,7 @@ import torch.distributed as dist
 from rlcomm.comm import codec, framing
 from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection.incoming import Payload, classify
-from rlcomm.comm.store import sub_store
+from rlcomm.comm.store.client import sub_store
 from rlcomm.comm.transports.base import (
     FOREVER,
     FRAME_BYTES,
@@ -28,7 +28,7 @@ from rlcomm.comm.transports.gloo import new_gloo_group
 class GlooBroadcast:
     """A process group of ``size`` ranks; this process is rank ``rank``. Its Gloo sockets
     bind to ``host`` (this node's IP; ``None``: Gloo's own choice, see ``new_gloo_group``).
-    Not thread-safe: the owning :class:`~rlcomm.comm.broadcast.BroadcastGroup` runs one
+    Not thread-safe: the owning :class:`~rlcomm.comm.broadcast.group.BroadcastGroup` runs one
     broadcast at a time.
 
     Args:

@@ -7,14 +7,14 @@ A broadcast from member ``src`` splits its members in two, alike on every member
   hands the slot to each of them (:mod:`~rlcomm.comm.transports.shm_fanout`); each maps
   it copy-on-write and decodes zero-copy views. The slot goes back to the source's pool
   when every local receiver has freed its views. CUDA tensors are planned by GPU
-  (:mod:`~rlcomm.comm.broadcast_device`): a receiver that sees the source's GPU copies
+  (:mod:`~rlcomm.comm.broadcast.device`): a receiver that sees the source's GPU copies
   them straight from the source's memory on the device, one copy, never through host
   memory; the others get them through a slot.
 - *remote* receivers, on other nodes: one of them per node is that node's *relay* (the
   first member there, in member order). The source and the relays form a Gloo process
   group, made on first use, which carries each broadcast's frame (and its *route*). A
   CPU payload of at least ``RLCOMM_BCAST_CHAIN_MIN_BYTES`` then goes along the *chain*
-  of the source and the relays (:mod:`~rlcomm.comm.broadcast_chain`): each relay
+  of the source and the relays (:mod:`~rlcomm.comm.broadcast.chain`): each relay
   forwards each record of ``RLCOMM_BCAST_CHUNK_BYTES`` as soon as it holds it, so each
   node's link carries the payload once and the last node has it about one transfer plus
   one record time per node after the start. A smaller payload goes by Gloo's own
@@ -27,8 +27,8 @@ A CPU payload larger than a quarter of the shared-memory pool (or than a local
 receiver's limit, or, to other nodes, than one bucket, or any the caller asks to)
 *streams* in buckets (:mod:`~rlcomm.comm.buckets`): to the local receivers, an opening
 they each answer, then the buckets through two reused slots
-(:mod:`~rlcomm.comm.broadcast_stream`); to other nodes, once the relays said what their
-nodes take and the routes are agreed (:mod:`~rlcomm.comm.broadcast_routes`), one run of
+(:mod:`~rlcomm.comm.broadcast.stream`); to other nodes, once the relays said what their
+nodes take and the routes are agreed (:mod:`~rlcomm.comm.broadcast.routes`), one run of
 each route's chain per bucket, carrying only what its nodes take, each relay handing
 each bucket on to its node-mates as it arrives. Each receiver takes what it asked for
 (:class:`~rlcomm.comm.taking.Taking`: ``into=``, new tensors, an iterator, shards).
@@ -38,7 +38,7 @@ so every member sees the same sequence. Each source numbers its messages, so a r
 that timed out on a broadcast skips that message when it arrives late. Along a chain,
 a member that fails makes every member after it raise naming it (a relay passes the
 failure on to its node-mates with a note on the fan-out), and every member before it
-learns it too (see :mod:`~rlcomm.comm.broadcast_chain`).
+learns it too (see :mod:`~rlcomm.comm.broadcast.chain`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm import codec, framing
-from rlcomm.comm.broadcast_chain import (
+from rlcomm.comm.broadcast.chain import (
     LOST,
     REASONS,
     REFUSED,
@@ -69,9 +69,9 @@ from rlcomm.comm.broadcast_chain import (
     plan_records,
     record_size,
 )
-from rlcomm.comm.broadcast_device import SETUP, DeviceFanout
-from rlcomm.comm.broadcast_gloo import GlooBroadcast
-from rlcomm.comm.broadcast_routes import (
+from rlcomm.comm.broadcast.device import SETUP, DeviceFanout
+from rlcomm.comm.broadcast.gloo import GlooBroadcast
+from rlcomm.comm.broadcast.routes import (
     Need,
     Route,
     from_verdict,
@@ -84,7 +84,7 @@ from rlcomm.comm.broadcast_routes import (
     unpack_report,
     verdict_body,
 )
-from rlcomm.comm.broadcast_stream import (
+from rlcomm.comm.broadcast.stream import (
     OVER_LIMIT,
     STREAM_NOTE,
     LocalStream,
@@ -103,7 +103,7 @@ from rlcomm.comm.buckets import (
 from rlcomm.comm.connection.incoming import Payload, classify
 from rlcomm.comm.identity.address import WorkerAddress, normalize_rank
 from rlcomm.comm.options import max_message_bytes
-from rlcomm.comm.store import sub_store
+from rlcomm.comm.store.client import sub_store
 from rlcomm.comm.taking import Taking
 from rlcomm.comm.transports import pool, registry
 from rlcomm.comm.transports.shm_fanout import OVER_LIMIT as LIMIT_VERDICT
@@ -707,7 +707,7 @@ class BroadcastGroup:
         """Two runs of the whole chain before the first bucket: each relay reports what
         its node takes (``report``, in its ``DONE``), then the source passes every
         relay's report down. Every member then works out the same routes (see
-        :mod:`~rlcomm.comm.broadcast_routes`): ``(relays, Route)`` each.
+        :mod:`~rlcomm.comm.broadcast.routes`): ``(relays, Route)`` each.
 
         Raises:
             _NothingSent: a member failed: nothing goes past the source (the run told
@@ -1002,7 +1002,7 @@ class BroadcastGroup:
         opened: Callable[[Any], None] | None,
     ) -> Any:
         """A message that streams in buckets through the fan-out (see
-        :mod:`~rlcomm.comm.broadcast_stream`): say whether this member takes it, then
+        :mod:`~rlcomm.comm.broadcast.stream`): say whether this member takes it, then
         copy each bucket out as it comes. A failure of this member's own (a bucket that
         does not check out, an iterator's caller who took nothing in time) drains the
         rest, so the source is never left waiting on it."""

@@ -1,6 +1,6 @@
 """Rendezvous: each worker's mailbox store, and the notes workers leave in each other's.
 
-Every communicating process runs an authenticated store (:mod:`rlcomm.comm.store`) on
+Every communicating process runs an authenticated store (:mod:`rlcomm.comm.store.client`) on
 its node's address (its *mailbox*) and publishes where it listens in the registry (its
 :class:`~rlcomm.comm.identity.endpoint.Endpoint`). Only processes that hold the job's
 secret can connect to it, read a key or leave a note. A worker that wants a connection
@@ -22,7 +22,7 @@ import msgspec
 import torch.distributed as dist
 
 from rlcomm.comm.identity.endpoint import Endpoint
-from rlcomm.comm.store import StoreClient, StoreServer, local_reader
+from rlcomm.comm.store.client import StoreClient, StoreServer, local_reader
 
 logger = logging.getLogger(__name__)
 

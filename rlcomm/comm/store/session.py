@@ -1,17 +1,17 @@
 """One client connection of a store server, without its socket: the handshake and the
 framing as a pure state machine (no socket, thread or clock inside; ``now`` is an
-argument), driven by the server's event loop (:mod:`rlcomm.comm.store_server`).
+argument), driven by the server's event loop (:mod:`rlcomm.comm.store.server`).
 
 A session starts *unproven*. The server greets it (:meth:`Session.greeting`), and the
-session accepts exactly :data:`~rlcomm.comm.store_wire.PROOF` bytes from it and nothing
+session accepts exactly :data:`~rlcomm.comm.store.wire.PROOF` bytes from it and nothing
 more: the magic, the client's nonce and its MAC over both nonces. Those bytes must all
 come before the *proof deadline* (the ``store_auth_timeout`` setting, counted from the
 accept). Nothing of what an unproven client sends is decoded: the proof is compared
 (in constant time) with the MAC the session expects, and a wrong one ends the session.
 
 A *proven* session reads length-prefixed frames. Each frame is one request; a frame that
-has begun must arrive whole within :data:`~rlcomm.comm.store_wire.HANDSHAKE_SECONDS`,
-and one that declares more than :data:`~rlcomm.comm.store_wire.MAX_FRAME` bytes ends
+has begun must arrive whole within :data:`~rlcomm.comm.store.wire.HANDSHAKE_SECONDS`,
+and one that declares more than :data:`~rlcomm.comm.store.wire.MAX_FRAME` bytes ends
 the session. The session serves one request at a time (``busy`` while the server works
 on it or its reply is unsent), which is the clients' protocol: one request, one reply.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import hmac
 
-from rlcomm.comm.store_wire import (
+from rlcomm.comm.store.wire import (
     HANDSHAKE_SECONDS,
     LEN,
     MAGIC,
