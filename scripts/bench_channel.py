@@ -16,9 +16,15 @@ the codec). ``--kinds`` picks some; ``--no-ray`` leaves Ray's queue out. Each ki
 - (rlcomm only) *pipelined puts*: ``put(item, async_op=True)`` per item with at most
   ``B`` in flight, consumer ``get()`` per item: one item per call on both ends.
 
+Beside them, a Ray Compiled Graph between two actors that the producer's actor owns (it
+compiles a graph of one node, the consumer's method, and executes it; the items go over
+Ray's shared-memory channels): *one at a time* is an execution whose result the
+producer waits for; *pipelined*, at most ``B`` executions in flight. ``--no-graph``
+leaves it out.
+
 Items/s is the number of items over the time from the producer's first put to the
-consumer's last get (wall clock, same machine), median of ``--repeats`` runs after a
-warm-up. A second table breaks one item's cost down: the rlcomm point-to-point round
+consumer's last get (wall clock, same machine; for the compiled graph, the producer's
+first execution to its last result), median of ``--repeats`` runs after a warm-up. A second table breaks one item's cost down: the rlcomm point-to-point round
 trip (``send`` then ``recv`` of the same item between the same two workers), a channel
 ``put`` alone (no consumer), a ``get`` alone (pre-filled), and Ray's ``put``/``get``.
 
@@ -28,6 +34,7 @@ trip (``send`` then ``recv`` of the same item between the same two workers), a c
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -44,6 +51,7 @@ from rlcomm import Channel, Cluster, NodePlacementStrategy, Worker
 KIB = 1 << 10
 MIB = 1 << 20
 POLL = 0.001
+GRAPH = "ray compiled graph"
 
 
 KINDS = ("1 KiB", "1 MiB", "64 MiB", "64 MiB bytes")
@@ -169,6 +177,45 @@ class Consumer(Worker):
             self.send(self.recv(peer, 0), peer, 0)
 
 
+@ray.remote(num_cpus=0)
+class GraphEnd:
+    """One end of a Ray Compiled Graph: the producer's compiles and executes a graph of
+    one node, the consumer's :meth:`take`."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self._graph: Any = None
+
+    def take(self, item: Any) -> int:
+        return 1
+
+    def compile(self, consumer: Any) -> bool:
+        from ray.dag import InputNode
+
+        with InputNode() as inp:
+            node = consumer.take.bind(inp)
+        self._graph = node.experimental_compile(_max_inflight_executions=256)
+        return True
+
+    def stream(self, kind: str, n: int, window: int) -> float:
+        """Items/s of ``n`` executions, at most ``window`` in flight (1: one at a time)."""
+        item = make_item(kind)
+        pending: collections.deque = collections.deque()
+        start = time.perf_counter()
+        for _ in range(n):
+            pending.append(self._graph.execute(item))
+            if len(pending) >= window:
+                ray.get(pending.popleft())
+        while pending:
+            ray.get(pending.popleft())
+        return n / (time.perf_counter() - start)
+
+    def teardown(self) -> bool:
+        if self._graph is not None:
+            self._graph.teardown()
+        return True
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -182,6 +229,23 @@ class Bench:
         self.records: list[dict[str, Any]] = []
         self.latency: list[dict[str, Any]] = []
         self._channels = 0
+        self.graph: list[Any] = []
+        if not args.no_graph:
+            self.graph = [GraphEnd.remote(), GraphEnd.remote()]
+            ray.get(self.graph[0].compile.remote(self.graph[1]), timeout=120)
+
+    def graph_throughput(self, mode: str, kind: str, n: int, window: int) -> None:
+        """Items/s of the compiled graph, as :meth:`throughput` for a channel."""
+        producer = self.graph[0]
+        ray.get(producer.stream.remote(kind, max(window, n // 10), window), timeout=600)
+        rates = [ray.get(producer.stream.remote(kind, n, window), timeout=600)
+                 for _ in range(self.args.repeats)]
+        record = {"backend": GRAPH, "mode": mode, "kind": kind, "items": n, "batch": window,
+                  "items_per_s": statistics.median(rates), "min": min(rates),
+                  "max": max(rates)}
+        self.records.append(record)
+        print(f"  graph   {mode:9s} {kind:6s} n={n:6d} B={window:4d}: "
+              f"{record['items_per_s']:10.0f} items/s", flush=True)
 
     def _queue(self, backend: str) -> Any:
         if backend == "ray":
@@ -261,6 +325,9 @@ class Bench:
                 self.throughput(backend, "one", kind, n_one, 1)
                 self.throughput(backend, "batched", kind, n_batched, batch)
             self.throughput("rlcomm", "pipelined", kind, n_one, batch)
+            if self.graph:
+                self.graph_throughput("one", kind, n_one, 1)
+                self.graph_throughput("pipelined", kind, n_one, batch)
             if not kind.startswith("64"):
                 self.breakdown(kind, max(50, n_one // 4))
 
@@ -286,6 +353,15 @@ class Bench:
                 ours, theirs = self._rate("rlcomm", mode, kind), self._rate("ray", ray_mode, kind)
                 lines.append(f"{label:44s} {ours:10.0f} {theirs:10.0f} {ours / theirs:6.1f}x "
                              f"{target:>7s}")
+        if self.graph:
+            lines.append("")
+            lines.append(f"{'case':44s} {'rlcomm/s':>10s} {'graph/s':>10s} {'ratio':>7s}")
+            for kind, _, _, batch in self.cases():
+                for mode, label in (("one", "one at a time"),
+                                    ("pipelined", f"pipelined (B={batch})")):
+                    ours, theirs = self._rate("rlcomm", mode, kind), self._rate(GRAPH, mode, kind)
+                    lines.append(f"{kind + ', ' + label:44s} {ours:10.0f} {theirs:10.0f} "
+                                 f"{ours / theirs:6.1f}x")
         lines.append("")
         lines.append(f"{'per item, microseconds':24s} {'p2p send+recv':>14s} {'channel put':>12s} "
                      f"{'channel get':>12s} {'ray put':>9s} {'ray get':>9s}")
@@ -303,6 +379,8 @@ class Bench:
         return self.producer.where().wait(timeout=60)[0]
 
     def shutdown(self) -> None:
+        if self.graph:
+            ray.get(self.graph[0].teardown.remote(), timeout=120)
         self.producer.shutdown()
         self.consumer.shutdown()
 
@@ -320,6 +398,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--large-batch", type=int, default=4)
     parser.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--no-ray", action="store_true", help="leave ray.util.queue out")
+    parser.add_argument("--no-graph", action="store_true",
+                        help="leave the Ray Compiled Graph out")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--address", default="local",
                         help="Ray address: 'local' starts a fresh Ray, 'auto' joins a running one")

@@ -9,7 +9,11 @@ sits on rank 0's node, rank 1 gets; larger items would keep GiB-sized segment po
 three more connections, which this 24 GiB machine cannot hold beside the rest). Baselines, measured in the
 same run: raw ``torch.distributed`` Gloo send/recv between the same two actors, a Ray
 actor->actor call with the tensor as argument (default pickling, and with
-``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``), and Ray Direct Transport over Gloo.
+``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``), Ray Direct Transport over Gloo, and a Ray
+Compiled Graph between two actors, owned by the sender (it compiles the graph and
+executes it, the receiver's method takes the payload over Ray's shared-memory channels),
+timed inside the sender as rlcomm's paths are. Small payloads (up to 64 KiB) also go as
+``bytes`` objects, on rlcomm's ``send/recv`` and on the compiled graph.
 
 Bandwidth is bytes / seconds per transfer (GB/s = 1e9 B/s), latency is half the round
 trip of a ping-pong; each figure is the median of ``--repeats`` timed batches, with min
@@ -22,6 +26,7 @@ the actor calls the way a Ray user would make them.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -38,9 +43,13 @@ from rlcomm import Channel, Cluster, CollectiveGroupOptions, NodePlacementStrate
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 
 SIZES = [4, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+GRAPH = "ray compiled graph"
 CHANNEL_MAX = 256 << 20  # the largest channel put/get measured (see the docstring)
 LATENCY_MAX = 64 << 10  # sizes up to this also get a ping-pong latency
 GLOO = CollectiveGroupOptions(transport="gloo")
+BYTES = " (bytes)"  # a path's suffix: the payload is a bytes object, not a tensor
+#: A compiled graph's executions in flight at most while streaming.
+GRAPH_WINDOW = 8
 
 
 def human_size(n: int) -> str:
@@ -69,9 +78,15 @@ class BenchWorker(Worker):
     def _peer(self) -> tuple[str, int]:
         return self.worker_group_name, 1 - self._rank
 
+    def _payload(self, path: str, nbytes: int) -> tuple[str, Any]:
+        """The path without its payload suffix, and the payload (a tensor, or bytes)."""
+        if path.endswith(BYTES):
+            return path[: -len(BYTES)], b"x" * nbytes
+        return path, self._buf(nbytes)
+
     def transfer(self, path: str, nbytes: int, iters: int) -> float:
         group, peer = self._peer()
-        t = self._buf(nbytes)
+        path, t = self._payload(path, nbytes)
         opts = GLOO if path == "send/recv (gloo)" else None
         ack = torch.zeros(1)
         start = time.perf_counter()
@@ -131,7 +146,7 @@ class BenchWorker(Worker):
 
     def ping_pong(self, path: str, nbytes: int, iters: int) -> float:
         group, peer = self._peer()
-        t = self._buf(nbytes)
+        path, t = self._payload(path, nbytes)
         start = time.perf_counter()
         for _ in range(iters):
             if path == "raw gloo":
@@ -227,6 +242,63 @@ class RayPeer:
         return self._t
 
 
+def _kind(path: str) -> str:
+    return "bytes" if path.endswith(BYTES) else "tensor"
+
+
+def _payload(kind: str, nbytes: int) -> Any:
+    return b"x" * nbytes if kind == "bytes" else torch.ones(max(1, nbytes // 4))
+
+
+@ray.remote(num_cpus=0)
+class GraphPeer:
+    """A plain Ray actor of a compiled graph: the sender compiles a graph of one node,
+    the receiver's :meth:`reply`, and executes it; the receiver answers with the payload
+    (``echo``, for a ping-pong) or a small int."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self._graph: Any = None
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"ray\.")
+
+    def reply(self, x: Any, echo: bool) -> Any:
+        return x if echo else 1
+
+    def compile(self, receiver: Any) -> bool:
+        from ray.dag import InputNode
+
+        with InputNode() as inp:
+            node = receiver.reply.bind(inp[0], inp[1])
+        self._graph = node.experimental_compile(_max_inflight_executions=2 * GRAPH_WINDOW)
+        return True
+
+    def transfer(self, kind: str, nbytes: int, iters: int) -> float:
+        """Seconds for ``iters`` executions, at most :data:`GRAPH_WINDOW` in flight."""
+        x = _payload(kind, nbytes)
+        pending: collections.deque = collections.deque()
+        start = time.perf_counter()
+        for _ in range(iters):
+            pending.append(self._graph.execute(x, False))
+            if len(pending) >= GRAPH_WINDOW:
+                ray.get(pending.popleft())
+        while pending:
+            ray.get(pending.popleft())
+        return time.perf_counter() - start
+
+    def ping_pong(self, kind: str, nbytes: int, iters: int) -> float:
+        x = _payload(kind, nbytes)
+        start = time.perf_counter()
+        for _ in range(iters):
+            ray.get(self._graph.execute(x, True))
+        return time.perf_counter() - start
+
+    def teardown(self) -> bool:
+        if self._graph is not None:
+            self._graph.teardown()
+            self._graph = None
+        return True
+
+
 def _iters(nbytes: int, target: int) -> int:
     return max(1, min(2000, target // max(nbytes, 1)))
 
@@ -266,6 +338,22 @@ class Bench:
                 for nid in node_ids
             ]
         self.rdt_ok = self._setup_rdt()
+        self.graph_pair = [
+            GraphPeer.options(scheduling_strategy=ray.util.scheduling_strategies
+                              .NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
+            for nid in node_ids
+        ]
+        self.graph_ok = self._setup_graph()
+
+    def _setup_graph(self) -> bool:
+        try:
+            a, b = self.graph_pair
+            ray.get(a.compile.remote(b), timeout=120)
+            ray.get(a.ping_pong.remote("tensor", 4, 3), timeout=120)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported
+            print(f"Ray Compiled Graph unavailable: {exc!r}", file=sys.stderr)
+            return False
 
     def _setup_rdt(self) -> bool:
         try:
@@ -299,6 +387,12 @@ class Bench:
         return [ray.get(a.push.remote(b, nbytes, iters), timeout=600) / iters
                 for _ in range(self.args.repeats)]
 
+    def time_graph(self, method: str, kind: str, nbytes: int, iters: int) -> list[float]:
+        a = self.graph_pair[0]
+        ray.get(getattr(a, method).remote(kind, nbytes, max(1, iters // 4)), timeout=600)
+        return [ray.get(getattr(a, method).remote(kind, nbytes, iters), timeout=600) / iters
+                for _ in range(self.args.repeats)]
+
     def time_rdt(self, nbytes: int, iters: int) -> list[float]:
         a, b = self.ray_pairs["ray actor call"]
         ray.get(b.sink.remote(a.make.remote(nbytes)), timeout=600)
@@ -319,11 +413,16 @@ class Bench:
         paths[6:6] = raw_shm
         if self.rdt_ok:
             paths.append("ray direct transport (gloo)")
+        graph = [GRAPH] if self.graph_ok else []
+        paths += graph
+        small = [s for s in self.args.sizes if s <= LATENCY_MAX]
         jobs = [(p, s) for s in self.args.sizes for p in paths
                 if p != "channel put/get" or s <= CHANNEL_MAX]
-        jobs += [(f"latency:{p}", s) for s in self.args.sizes if s <= LATENCY_MAX
+        jobs += [(p + BYTES, s) for s in small for p in ("send/recv", *graph)]
+        jobs += [(f"latency:{p}", s) for s in small
                  for p in ("send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",
-                           *raw_shm)]
+                           *raw_shm, *graph, "send/recv" + BYTES,
+                           *(g + BYTES for g in graph))]
         for path, nbytes in tqdm(jobs, desc="bench_p2p", unit="case", file=sys.stderr):
             big = nbytes >= (256 << 20)
             iters = _iters(nbytes, self.args.target_bytes if not path.startswith("ray") else
@@ -332,10 +431,15 @@ class Bench:
                 iters = 1
             if path.startswith("latency:"):
                 p = path.split(":", 1)[1]
-                rtt = self.time_pair("ping_pong", p, nbytes, min(500, iters))
+                if p.startswith(GRAPH):
+                    rtt = self.time_graph("ping_pong", _kind(p), nbytes, min(500, iters))
+                else:
+                    rtt = self.time_pair("ping_pong", p, nbytes, min(500, iters))
                 self.record(p, nbytes, "latency_us", [r / 2 * 1e6 for r in rtt])
                 continue
-            if path in ("ray actor call", "ray zero-copy"):
+            if path.startswith(GRAPH):
+                secs = self.time_graph("transfer", _kind(path), nbytes, min(iters, 2000))
+            elif path in ("ray actor call", "ray zero-copy"):
                 secs = self.time_ray(path, nbytes, min(iters, 200))
             elif path.startswith("ray direct"):
                 secs = self.time_rdt(nbytes, min(iters, 200))
@@ -350,7 +454,8 @@ class Bench:
             )
             colds.append(fresh.first_contact().wait(timeout=120)[0] * 1e3)
             fresh.shutdown()
-        self.record("first send/recv of a fresh pair", 4, "cold_ms", colds)
+        if colds:
+            self.record("first send/recv of a fresh pair", 4, "cold_ms", colds)
 
     def table(self) -> str:
         sizes = self.args.sizes
@@ -379,7 +484,8 @@ class Bench:
         head = f"{'baseline':34s}" + "".join(f"{human_size(s):>14s}" for s in sizes)
         lines.append(head)
         lines.append("-" * len(head))
-        for base in ("raw gloo", "ray actor call", "ray zero-copy", "ray direct transport (gloo)"):
+        for base in ("raw gloo", "ray actor call", "ray zero-copy", "ray direct transport (gloo)",
+                     GRAPH):
             cells = []
             for s in sizes:
                 ours, theirs = self.get("send/recv", s, "GB/s"), self.get(base, s, "GB/s")
@@ -399,6 +505,14 @@ class Bench:
         if lat:
             lines.append("\nLatency ratio, rlcomm send/recv over raw gloo (<1 is faster): " + ", ".join(
                 f"{human_size(s)} {a['median'] / b['median']:.2f}x" for s, a, b in lat if a and b))
+        for ours, theirs in (("send/recv", "raw shm"), ("send/recv" + BYTES, "raw shm"),
+                             (GRAPH, "send/recv"), (GRAPH + BYTES, "send/recv" + BYTES)):
+            pairs = [(s, self.get(ours, s, "latency_us"), self.get(theirs, s, "latency_us"))
+                     for s in sizes if s <= LATENCY_MAX]
+            if any(a and b for _, a, b in pairs):
+                lines.append(f"Latency ratio, {ours} over {theirs}: " + ", ".join(
+                    f"{human_size(s)} {a['median'] / b['median']:.2f}x"
+                    for s, a, b in pairs if a and b))
         cold = self.get("first send/recv of a fresh pair", 4, "cold_ms")
         if cold:
             lines.append(f"\nFirst send/recv of a fresh pair (lazy connection): median "
@@ -475,6 +589,8 @@ def main(argv: list[str] | None = None) -> None:
                       f, indent=1)
     if args.plot:
         bench.plot(args.plot)
+    if bench.graph_ok:
+        ray.get(bench.graph_pair[0].teardown.remote(), timeout=120)
     bench.channel.shutdown()
     bench.pair.shutdown()
     bench.gloo_pair.shutdown()
