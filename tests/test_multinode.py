@@ -1,9 +1,11 @@
 """Placement on a simulated two-node Ray cluster (two raylets on this machine)."""
 
+import os
+
 import pytest
 import ray
 
-from rlcomm import NodePlacementStrategy
+from rlcomm import CollectiveGroupOptions, NodePlacementStrategy
 from rlcomm.comm.identity.registry import registry
 from tests.worker.test_group import AllReduceWorker
 
@@ -216,3 +218,37 @@ def test_a_node_mate_over_its_limit_stops_a_sync_across_nodes_at_once(three_sync
     handles = [group.execute_on(0).source(12, members=members, src=src)] + [
         group.execute_on(r).take(12, "into", members=members, src=src) for r in (1, 2)]
     assert [h.wait(timeout=120)[0] for h in handles][1:] == [True, True]
+
+
+@pytest.mark.multinode
+def test_a_relay_killed_mid_stream_is_named_by_the_source_and_its_node_mate(two_node_cluster):
+    """The relay took the first tensor of a streamed sync and holds the rest; killed with
+    SIGKILL, it is named gone by the source (whose route to it is cut) and by its
+    node-mate (whose buckets came through it), well before their timeout."""
+    import signal
+
+    from tests.comm.test_weight_sync import POOL, Syncer
+    from tests.waiting import actor_pid
+
+    name = "ws_kill"
+    group = Syncer.create_group().launch(
+        two_node_cluster, NodePlacementStrategy([0, 1, 1]), name=name,
+        env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)},
+    )
+    members = [(name, [0, 1, 2])]
+    src = (name, 0)
+    try:
+        pid = actor_pid(group.workers[1])
+        source = group.execute_on(0).attempt("source", 1, members=members, src=src,
+                                             options=CollectiveGroupOptions(timeout=60))
+        mate = group.execute_on(2).attempt("take", 1, "into", members=members, src=src,
+                                           timeout=60)
+        assert group.execute_on(1).first_then_hold(members, src, 60).wait(timeout=60) == [
+            "embed.weight"]
+        os.kill(pid, signal.SIGKILL)
+        for handle in (source, mate):
+            kind, text, seconds = handle.wait(timeout=120)[0]
+            assert kind == "PeerLostError" and f"{name}:1" in text, (kind, text)
+            assert seconds < 45, (kind, text, seconds)
+    finally:
+        group.shutdown()
