@@ -135,17 +135,25 @@ def test_held_entries_wait_for_company_and_leave_within_the_hold_time(monkeypatc
     sent: list[list[int]] = []
     outbox = Outbox(lambda batch: sent.append(list(batch)), lambda batch, exc: None)
     n = outbox_module.HOLD_ENTRIES
+    # The timer thread is busy until the gate opens: the held entries' timer (200 us)
+    # cannot fire before the check below, however loaded the machine.
+    gate = threading.Event()
+    timers.submit(gate.wait, 10)
     outbox.post(list(range(n - 1)), hold=True)  # fewer than HOLD_ENTRIES: nothing sent yet
     assert sent == [] and outbox.pending == n - 1
+    gate.set()
     wait_for(lambda: sent, "the timer sends the held entries", 10)
     assert sent == [list(range(n - 1))]
 
     sent.clear()
+    gate = threading.Event()  # again, the timers wait until the checks are done
+    timers.submit(gate.wait, 10)
     for i in range(n):  # the HOLD_ENTRIES-th holding post sends them all, from its thread
         outbox.post([i], hold=True)
     assert sent == [list(range(n))]
     outbox.post([100], hold=True)
     outbox.post([101])  # a post that sends takes the held ones with it, first
     assert sent[-1] == [100, 101] and outbox.pending == 0
-    timers.shutdown(wait=True)  # the timer armed by [100] ran, and found nothing
+    gate.set()
+    timers.shutdown(wait=True)  # the timers armed meanwhile ran, and found nothing
     assert len(sent) == 2
