@@ -223,11 +223,6 @@ class Route:
             out.append(p.nbytes if cut is None else slab_count(p.start, p.end, *cut))
         return out
 
-    def packed_bytes(self, bucket: Bucket) -> int:
-        """Bytes of staging the sliced pieces of ``bucket`` take at either end."""
-        return sum(n for p, n in zip(bucket.pieces, self.sizes(bucket), strict=True)
-                   if self._cuts[p.tensor] is not None)
-
     def send_views(self, bucket: Bucket, pieces: Sequence[torch.Tensor],
                    packed: torch.Tensor) -> list[torch.Tensor]:
         """What the source sends of each piece (``pieces``: their uint8 bytes): a whole
