@@ -14,9 +14,9 @@ allocates buffers with :func:`empty_like_meta`, receives into them and calls :fu
   pickled (protocol 5) into ONE ``uint8`` CPU tensor, kind ``OBJECT``. Tensors inside it
   are copied into the pickle; CUDA ones come back on the same device index (``cuda:1``).
 
-- a ``bytes`` object of 64 KiB or more (:data:`~rlcomm.comm.codec.message.BYTES_MIN`)
-  travels as its content, kind ``BYTES``: the sender copies nothing, the receiver copies
-  it once into the new ``bytes``.
+- a non-empty ``bytes`` object (:data:`~rlcomm.comm.codec.message.BYTES_MIN`) travels as
+  its content, kind ``BYTES``, never pickled: the sender copies nothing, the receiver
+  copies it once into the new ``bytes`` (a small one rides in the frame).
 
 - a component's message (a channel's) is kind ``FRAMED``: its tensors, and its own
   frame bytes in the header, which the codec never unpickles

@@ -24,8 +24,9 @@ from rlcomm.comm.codec.tensors import check_one_device, prepare
 from rlcomm.errors import CodecError
 
 #: A ``bytes`` object of at least this many bytes travels as its content (kind ``BYTES``),
-#: not pickled: the sender copies nothing, the receiver copies once into the new object.
-BYTES_MIN = 64 << 10
+#: not pickled: the sender copies nothing, the receiver copies once into the new object
+#: (a small one rides in the frame and is the object itself). The empty one is pickled.
+BYTES_MIN = 1
 
 
 def _bytes_view(data: bytes) -> torch.Tensor:
