@@ -338,12 +338,12 @@ class Bench:
                 for nid in node_ids
             ]
         self.rdt_ok = self._setup_rdt()
-        self.graph_pair = [
+        self.graph_pair = [] if args.no_graph else [
             GraphPeer.options(scheduling_strategy=ray.util.scheduling_strategies
                               .NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
             for nid in node_ids
         ]
-        self.graph_ok = self._setup_graph()
+        self.graph_ok = bool(self.graph_pair) and self._setup_graph()
 
     def _setup_graph(self) -> bool:
         """Compile the graph (its actors then serve it on threads of their own, which
@@ -567,6 +567,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="bytes moved per timed batch (sets the iterations per size)")
     parser.add_argument("--cold-repeats", type=int, default=2, help="fresh pairs for cold start")
     parser.add_argument("--nodes", type=int, default=1, help="2: the two workers on two nodes")
+    parser.add_argument("--no-graph", action="store_true",
+                        help="leave out the Ray Compiled Graph rows (each case compiles a graph)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--plot", help="write a bandwidth-vs-size PNG here")
     parser.add_argument("--from-json", help="print the tables (and --plot) of an earlier run")
