@@ -322,8 +322,14 @@ class _PortSquatter:
             self.answered += 1
 
     def close(self) -> None:
+        # A thread blocked in accept() is woken by shutdown(), not by close() alone.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
         self._thread.join(10)
+        assert not self._thread.is_alive(), "the squatter's thread did not end"
 
 
 def test_a_dead_peer_whose_port_answers_as_another_is_named_gone(cluster, peers):
