@@ -221,24 +221,20 @@ def test_a_node_mate_over_its_limit_stops_a_sync_across_nodes_at_once(three_sync
 
 
 @pytest.mark.multinode
-def test_a_relay_killed_mid_stream_is_named_by_the_source_and_its_node_mate(two_node_cluster):
+def test_a_relay_killed_mid_stream_is_named_by_the_source_and_its_node_mate(three_syncers):
     """The relay took the first tensor of a streamed sync and holds the rest; killed with
     SIGKILL, it is named gone by the source (whose route to it is cut) and by its
-    node-mate (whose buckets came through it), well before their timeout."""
+    node-mate (whose buckets came through it), well before their timeout. (It kills the
+    module's relay: the last test of the module's group.)"""
     import signal
 
-    from tests.comm.test_weight_sync import POOL, Syncer
-    from tests.waiting import actor_pid
+    from tests.waiting import actor_pid, wait_process_gone
 
-    name = "ws_kill"
-    group = Syncer.create_group().launch(
-        two_node_cluster, NodePlacementStrategy([0, 1, 1]), name=name,
-        env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)},
-    )
+    name, group = "ws3", three_syncers
     members = [(name, [0, 1, 2])]
     src = (name, 0)
+    pid = actor_pid(group.workers[1])
     try:
-        pid = actor_pid(group.workers[1])
         source = group.execute_on(0).attempt("source", 1, members=members, src=src,
                                              options=CollectiveGroupOptions(timeout=60))
         mate = group.execute_on(2).attempt("take", 1, "into", members=members, src=src,
@@ -251,4 +247,8 @@ def test_a_relay_killed_mid_stream_is_named_by_the_source_and_its_node_mate(two_
             assert kind == "PeerLostError" and f"{name}:1" in text, (kind, text)
             assert seconds < 45, (kind, text, seconds)
     finally:
-        group.shutdown()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        wait_process_gone(pid)
