@@ -14,7 +14,7 @@ import logging
 import threading
 
 from rlcomm.comm.connection.reader import Reader
-from rlcomm.errors import CommError, PeerLostError
+from rlcomm.errors import PeerLostError
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +36,10 @@ def _receive_loop(reader: Reader) -> None:
                 return
             msg = None
             try:
-                if not reader.pollable or transport.poll(None, reader.wake_fd):
-                    msg = reader.read_one(transport)
-                else:
-                    reader.drain_wake_pipe()
+                # Until a message comes, or the wake pipe says a receive op wants the stream.
+                msg = reader.read_next(transport, None, wake=True)
             finally:
                 reader.driver_leave(msg)
-    except CommError as exc:
-        reader.fail(exc)
     except Exception as exc:  # noqa: BLE001 - any failure ends the stream, loudly
         logger.exception("receiver thread for %s failed", reader.peer)
         reader.fail(PeerLostError(f"receiving from {reader.peer} failed: {exc!r}"))

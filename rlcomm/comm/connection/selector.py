@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rlcomm.comm.connection.reader import LINGER, Reader, drain
+from rlcomm.comm.connection.stream import Action, Do
 from rlcomm.comm.transports.base import PollableTransport, Waiter
 
 if TYPE_CHECKING:
@@ -127,13 +128,13 @@ class Selector:
         for conn in conns:
             if conn in held:
                 continue
-            got = claim(conn, self)
-            if got is True:
-                done.append(conn)
-            elif got is False:
+            action = claim(conn, self)
+            if action.do is Do.WAIT:
                 again = True
-            elif self._takes(got):
-                held[conn] = got
+            elif action.do is not Do.READ:  # STOP, LET_GO: done with it
+                done.append(conn)
+            elif self._takes(conn.transport):  # type: ignore[arg-type]
+                held[conn] = conn.transport  # type: ignore[assignment]
             else:  # a pollable transport of another kind: not one this selector waits on
                 release(conn, self, holding=True)
                 done.append(conn)
@@ -173,7 +174,7 @@ def select_by(reader: Reader, selector: Selector) -> None:
     reader.select_by(selector)
 
 
-def claim(reader: Reader, selector: Selector) -> PollableTransport | bool:
+def claim(reader: Reader, selector: Selector) -> Action:
     """Take the stream for ``selector`` (see :meth:`.Reader.selector_take`)."""
     return reader.selector_take(selector)
 

@@ -1,21 +1,23 @@
 """``StreamState``: the read side of one connection, as a pure state machine.
 
-Who reads the stream now, which receive op is served next, what waits in the inbox,
-whether a listener takes every message, and whether the stream failed: one object owns
-all of it and changes it only through the transitions below. It has no threads, no file
-descriptors and no clock: a transition that depends on time takes ``now`` (monotonic
-seconds), and each returns what its driver does next. The drivers
+Who reads the stream now, which receive op is served next, what waits in the inbox, which
+receive ops asked the driver for the stream, the transport, the listener that takes every
+message, the selector that drives the stream, and whether the stream failed: one object
+owns all of it and changes it only through the transitions below. It has no threads, no
+file descriptors and no clock: a transition that depends on time takes ``now`` (monotonic
+seconds), and every transition answers with one :class:`Action`, which its driver carries
+out: the step it takes next (:class:`Do`) and whom it wakes. The drivers
 (:class:`~.reader.Reader` for receive ops and pumps, :mod:`.receiver`'s thread, a
-:class:`~rlcomm.comm.connection.selector.Selector`) do the I/O and hold the connection's lock only
-around calls into it.
+:class:`~rlcomm.comm.connection.selector.Selector`) do the I/O, and hold the connection's
+lock only around a transition and the wake-ups it asks for.
 
 The *lease* says who may read the stream:
 
 | lease | who reads | taken by | left for |
 | --- | --- | --- | --- |
-| ``IDLE`` | nobody | the driver (:meth:`driver_take`), a receive op or pump whose turn it is (:meth:`want`) | |
-| ``DRIVER`` | the receiver thread or the selector | :meth:`driver_take` when nobody asked for the stream (a receive op that read, or was served with none waiting, leaves it to ops for :data:`LINGER` s) and the inbox is under its cap | :meth:`leave`: ``IDLE``, or ``STALLED`` |
-| ``CALLER`` | a receive op or a pump, reading its own message | :meth:`want` on a pollable transport | :meth:`leave`: ``IDLE``, or ``STALLED`` |
+| ``IDLE`` | nobody | the driver (:meth:`driver_take`, :meth:`selector_take`), a receive op or pump whose turn it is (:meth:`want`) | |
+| ``DRIVER`` | the receiver thread or the selector | :meth:`driver_take` or :meth:`selector_take` when nobody asked for the stream (a receive op that read, or was served with none waiting, leaves it to ops for :data:`LINGER` s) and the inbox is under its cap | :meth:`leave` or :meth:`selector_served`: ``IDLE``, or ``STALLED`` |
+| ``CALLER`` | a receive op or a pump, reading its own message | :meth:`want` on a pollable transport | :meth:`leave`, :meth:`served_own`: ``IDLE``, or ``STALLED`` |
 | ``STALLED`` | nobody: the payload of the last message read follows it in the stream | :meth:`leave` of a deferred message | :meth:`claim_stall` by that message's receive op |
 | ``CLAIMANT`` | the receive op reading that payload | :meth:`claim_stall` | :meth:`leave`: ``IDLE`` |
 
@@ -28,9 +30,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import P_IN_STREAM, Incoming
+from rlcomm.comm.connection.incoming import Incoming, Payload
 from rlcomm.errors import CommError
 
 #: Seconds the driver leaves the stream to receive ops after one of them read.
@@ -47,48 +50,62 @@ class Lease(enum.Enum):
     CLAIMANT = "claimant"
 
 
-class Turn(enum.Enum):
-    """What a receive op or a pump does next (:meth:`StreamState.want`)."""
+class Do(enum.Enum):
+    """The step a transition's caller takes next (:attr:`Action.do`)."""
 
-    SERVE = "serve"  # its message is at the inbox's head: handle it
-    FAIL = "fail"  # the stream failed: raise its error
-    TIMEOUT = "timeout"  # its deadline has passed
-    READ = "read"  # it holds the stream (CALLER): read one message itself
-    ASK = "ask"  # poke the driver out of its poll (it leaves the stream), then wait
-    WAIT = "wait"  # wait to be woken, until its deadline
-
-
-class DriverTurn(enum.Enum):
-    """What the driver does next (:meth:`StreamState.driver_take`)."""
-
-    READ = "read"  # it holds the stream (DRIVER): read a message
-    LATER = "later"  # look again when woken (or at ``until``)
-    STOP = "stop"  # the stream failed: stop driving it
+    GO_ON = "go_on"  # nothing but the wake-ups: carry on
+    SERVE = "serve"  # (a receive op) its message is at the inbox's head: handle it
+    FAIL = "fail"  # (a receive op, a listener) the stream failed: take its error
+    TIMEOUT = "timeout"  # (a receive op, a pump) its deadline has passed
+    READ = "read"  # it holds the stream now: read one message
+    WAIT = "wait"  # wait to be woken, or until ``until`` (``None``: its own deadline, or
+    # for a driver: until woken)
+    STOP = "stop"  # (a driver) the stream failed, or is not this driver's: stop driving it
     LET_GO = "let_go"  # (a selector) the transport cannot be polled: its thread drives it
 
-# The members as module constants: a message's path compares leases and turns a dozen
-# times, and an enum member's lookup (``Lease.IDLE``) costs about 60 ns on Python 3.11.
-L_IDLE, L_DRIVER, L_CALLER = Lease.IDLE, Lease.DRIVER, Lease.CALLER
-L_STALLED, L_CLAIMANT = Lease.STALLED, Lease.CLAIMANT
-T_SERVE, T_FAIL, T_TIMEOUT, T_READ, T_ASK, T_WAIT = (
-    Turn.SERVE, Turn.FAIL, Turn.TIMEOUT, Turn.READ, Turn.ASK, Turn.WAIT)
-D_READ, D_LATER, D_STOP, D_LET_GO = (
-    DriverTurn.READ, DriverTurn.LATER, DriverTurn.STOP, DriverTurn.LET_GO)
 
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What a transition's caller does: the step (:class:`Do`) and the wake-ups.
 
-@dataclass(frozen=True)
-class Wakes:
-    """Whom a transition's driver wakes: the waiting receive ops, the driver."""
+    Attributes:
+        do: the next step.
+        callers: wake the receive ops and pumps waiting for a turn.
+        driver: wake the driver (the receiver thread's wait, and the selector, if any).
+        poke: write the wake pipe: the thread waiting in ``poll`` on the transport (the
+            driver, or a pump) stops waiting.
+        close_pipe: nobody polls the wake pipe any more: close it.
+        until: for ``WAIT``, when to look again (``None``: see :class:`Do`).
+    """
 
-    callers: bool = True
+    do: Do = Do.GO_ON
+    callers: bool = False
     driver: bool = False
+    poke: bool = False
+    close_pipe: bool = False
+    until: float | None = None
 
 
-NOBODY = Wakes(False, False)
-#: The four answers, made once (a transition runs for every message): ``_WAKES[callers][driver]``.
-EVERYONE = Wakes(True, True)
-_CALLERS = Wakes(True, False)
-_WAKES = ((NOBODY, Wakes(False, True)), (_CALLERS, EVERYONE))
+# The answers that do not depend on ``now``, made once: a message's path takes several
+# transitions, and a frozen dataclass costs about a microsecond to make.
+NOTHING = Action()
+_CALLERS = Action(callers=True)
+_DRIVER = Action(driver=True)
+_EVERYONE = Action(callers=True, driver=True)
+_SERVE = Action(Do.SERVE)
+_FAIL = Action(Do.FAIL)
+_TIMEOUT = Action(Do.TIMEOUT)
+_READ = Action(Do.READ)
+_WAIT = Action(Do.WAIT)
+_ASK = Action(Do.WAIT, poke=True)  # poke the driver out of its poll (it leaves), then wait
+_STOP = Action(Do.STOP)
+_KEEP = Action(Do.READ)  # a selector keeps the stream it holds
+
+# Private spellings of the leases, for the transitions every message takes (an enum
+# member's lookup costs about 60 ns on Python 3.11; ``bench_p2p.py``'s 4 B rows).
+_IDLE, _DRIVER_LEASE, _CALLER = Lease.IDLE, Lease.DRIVER, Lease.CALLER
+_STALLED, _CLAIMANT = Lease.STALLED, Lease.CLAIMANT
+_IN_STREAM = Payload.IN_STREAM
 
 
 class StreamState:
@@ -104,14 +121,19 @@ class StreamState:
         self.peer = peer
         self.inbox = Inbox(max_unread)
         self.linger = linger
-        self.lease = L_IDLE
+        self.lease = _IDLE
         self.error: CommError | None = None
-        self.attached = False
+        #: The connected transport (``None``: not attached yet); opaque here.
+        self.transport: Any = None
         self.pollable = False
-        self.selected = False  # a selector drives, not the receiver thread
-        self.listened = False
-        self.wanting = 0  # receive ops that asked the driver to leave the stream
+        #: The selector that drives the stream instead of the receiver thread, if any.
+        self.selector: Any = None
+        #: The listener that takes every message, if any.
+        self.listener: Any = None
         self.pumper: int | None = None  # the thread id of a pump reading as the caller
+        # The receive ops (tickets) and pumps (("pump", thread id)) that asked the driver
+        # to leave the stream: it does not take the stream again while any of them waits.
+        self._asked: set[Any] = set()
         self._last_read = float("-inf")  # when a receive op last read or was served
         self._next_ticket = 0
         self._serving = 0
@@ -121,128 +143,165 @@ class StreamState:
         return (
             f"StreamState({self.peer!r}, {self.lease.value}"
             f"{', failed' if self.error is not None else ''}"
-            f"{', selected' if self.selected else ''}{', listened' if self.listened else ''}, "
+            f"{', selected' if self.selector is not None else ''}"
+            f"{', listened' if self.listener is not None else ''}, "
             f"inbox={len(self.inbox)}/{self.inbox.unread}B, serving={self._serving}, "
-            f"tickets={self._next_ticket}, wanting={self.wanting})"
+            f"tickets={self._next_ticket}, asked={len(self._asked)})"
         )
+
+    @property
+    def attached(self) -> bool:
+        return self.transport is not None
+
+    @property
+    def wanting(self) -> int:
+        """How many receive ops and pumps asked the driver for the stream."""
+        return len(self._asked)
 
     # -- life cycle -------------------------------------------------------------------------
 
-    def attach(self, pollable: bool) -> None:
+    def attach(self, transport: Any, pollable: bool) -> Action:
         """The transport is connected (``pollable``: a receive op may read itself)."""
-        self.attached, self.pollable = True, pollable
+        self.transport, self.pollable = transport, pollable
+        return _DRIVER if self.selector is not None else NOTHING
 
-    def fail(self, error: CommError) -> bool:
-        """Record the stream's error (the first stays). Returns whether it was the first:
-        every waiter and the driver must then be woken."""
+    def fail(self, error: CommError) -> Action:
+        """Record the stream's error (the first stays). ``STOP`` when it was the first
+        (every waiter and the driver are woken; the connection ends), else nothing."""
         if self.error is not None:
-            return False
+            return NOTHING
         self.error = error
-        return True
+        return Action(Do.STOP, callers=True, driver=True, close_pipe=self.transport is None)
 
     @property
     def in_use(self) -> bool:
         """Whether receive ops or messages have used the stream (it cannot be listened)."""
         return bool(self.inbox) or self._next_ticket > 0
 
-    def listen(self) -> None:
-        """From now on a listener takes every message.
+    def listen(self, listener: Any) -> Action:
+        """From now on ``listener`` takes every message. ``FAIL`` when the stream failed
+        already (the listener is told its error).
 
         Raises:
             RuntimeError: a listener or receive ops use the stream already.
         """
-        if self.listened or self.in_use:
+        if self.listener is not None or self.in_use:
             raise RuntimeError(f"{self.peer}: the connection is already in use")
-        self.listened = True
+        self.listener = listener
+        return _FAIL if self.error is not None else NOTHING
 
     # -- the driver ----------------------------------------------------------------------------
 
     def _driver_may_read(self, now: float) -> bool:
-        if self.lease is not L_IDLE or self.inbox.full:
+        if self.lease is not _IDLE or self.inbox.full:
             return False
-        return not self.pollable or (
-            self.wanting == 0 and now - self._last_read >= self.linger
-        )
+        return not self.pollable or (not self._asked and now - self._last_read >= self.linger)
 
-    def driver_take(self, now: float, selector: bool = False) -> tuple[DriverTurn, float | None]:
-        """The driver (the receiver thread, or with ``selector`` a selector) asks for the
-        stream. Returns ``(READ, None)`` when it holds it now (``DRIVER``); ``(LATER,
-        until)`` when it must wait (``until``: look again then, ``None``: when woken);
-        ``(STOP, None)`` when the stream failed; ``(LET_GO, None)`` when a selector must
-        hand an unpollable stream back to the receiver thread. A selector told ``STOP``
-        or ``LET_GO`` no longer drives the stream."""
+    def driver_take(self, now: float) -> Action:
+        """The receiver thread asks for the stream: ``READ`` when it holds it now
+        (``DRIVER``); ``WAIT`` (``until``: look again then, ``None``: when woken);
+        ``STOP`` when the stream failed."""
         if self.error is not None:
-            if selector:
-                self.selected = False  # the selector is done with it
-            return D_STOP, None
-        if selector:
-            if not self.attached:
-                return D_LATER, None
-            if not self.pollable:
-                self.selected = False
-                return D_LET_GO, None
-        elif self.selected and self.pollable:
-            return D_LATER, None  # the selector drives it
+            return _STOP
+        if self.selector is not None and self.pollable:
+            return _WAIT  # the selector drives it
         if not self._driver_may_read(now):
-            linger = self.pollable and not self.selected
-            return D_LATER, (now + self.linger) if linger or selector else None
-        self.lease = L_DRIVER
-        return D_READ, None
+            return Action(Do.WAIT, until=now + self.linger) if self.pollable else _WAIT
+        self.lease = _DRIVER_LEASE
+        return _READ
 
-    def driver_keeps(self, read: bool) -> bool:
-        """A selector holding the stream dispatched a message (``read``) or found none:
-        whether it keeps the stream (nobody wants it), or must :meth:`leave` it."""
-        return (
-            not read and self.wanting == 0 and self.error is None and self.selected
-            and self.lease is L_DRIVER
-        )
+    def receiver_ended(self) -> Action:
+        """The receiver thread ends: its wake pipe goes, unless a selector polls it."""
+        return NOTHING if self.selector is not None else Action(close_pipe=True)
 
-    def select(self) -> bool:
-        """A selector drives the stream from now on. Returns whether the receiver thread
-        holds it in poll now (poke it: it leaves the stream)."""
-        self.selected = True
-        return self.lease is L_DRIVER
+    def select(self, selector: Any) -> Action:
+        """``selector`` drives the stream from now on: it is woken, and the receiver thread
+        is poked out of its poll when it holds the stream (it leaves it then)."""
+        self.selector = selector
+        return Action(driver=True, poke=self.lease is _DRIVER_LEASE)
 
-    def unselect(self, holding: bool, now: float) -> Wakes:
-        """The selector lets go (``holding``: it held the stream, which it leaves)."""
-        self.selected = False
-        wakes = self.leave(None, now, by_caller=False) if holding else NOBODY
-        return _WAKES[wakes.callers][True]
+    def selector_take(self, selector: Any, now: float) -> Action:
+        """``selector`` asks for the stream: ``READ`` when it holds it now; ``WAIT`` when
+        it must look again within the linger time; ``STOP`` when it is done with the
+        stream (it failed, or another selector drives it); ``LET_GO`` when the transport
+        cannot be polled (the receiver thread, woken, drives it)."""
+        if self.selector is not selector:
+            return _STOP
+        if self.error is not None:
+            self.selector = None  # its receiver thread left the wake pipe to it
+            return Action(Do.STOP, close_pipe=True)
+        if self.transport is None:
+            return _WAIT
+        if not self.pollable:
+            self.selector = None
+            return Action(Do.LET_GO, driver=True)
+        if not self._driver_may_read(now):
+            return Action(Do.WAIT, until=now + self.linger)
+        self.lease = _DRIVER_LEASE
+        return _READ
+
+    def selector_served(self, msg: Incoming | None, now: float) -> Action:
+        """The selector holding the stream read ``msg`` (``None``: nothing, or a listener
+        took it). ``READ`` when it keeps the stream (it dispatched nothing to the inbox
+        and nobody wants the stream), else what :meth:`leave` says."""
+        if (msg is None and not self._asked and self.error is None
+                and self.selector is not None and self.lease is _DRIVER_LEASE):
+            return _KEEP
+        return self.leave(msg, now, by_caller=False)
+
+    def unselect(self, selector: Any, holding: bool, now: float) -> Action:
+        """``selector`` (``holding`` the stream or not) lets go: the receiver thread reads
+        the stream again."""
+        if self.selector is not selector:
+            return NOTHING
+        self.selector = None
+        left = self.leave(None, now, by_caller=False) if holding else NOTHING
+        return Action(callers=left.callers, driver=True, close_pipe=self.error is not None)
 
     # -- leaving the stream --------------------------------------------------------------------
 
-    def leave(self, msg: Incoming | None, now: float, by_caller: bool) -> Wakes:
+    def leave(self, msg: Incoming | None, now: float, by_caller: bool) -> Action:
         """The holder read ``msg`` (queued; ``None``: nothing, or a listener took it) and
         leaves the stream: ``STALLED`` when its payload follows it, else ``IDLE``."""
         if msg is not None:
             self.inbox.put(msg)
-        stall_ends = self.lease is L_CLAIMANT
-        self.lease = L_STALLED if msg is not None and msg.deferred else L_IDLE
+        stall_ends = self.lease is _CLAIMANT
+        self.lease = _STALLED if msg is not None and msg.payload is _IN_STREAM else _IDLE
         if by_caller:
             self._last_read = now
             self.pumper = None
         # A receiver thread blocked on its turn reads on once a stall ends; on a
         # pollable transport it looks again within the linger time anyway.
-        return _WAKES[True][stall_ends and not self.pollable]
+        return _EVERYONE if stall_ends and not self.pollable else _CALLERS
 
-    def claim_stall(self) -> None:
+    def claim_stall(self) -> Action:
         """The receive op that took a deferred message reads its payload (``CLAIMANT``).
 
         Raises:
             RuntimeError: the stream is not stalled on a message.
         """
-        if self.lease is not L_STALLED:
+        if self.lease is not _STALLED:
             raise RuntimeError(f"{self.peer}: the stream is not stalled on this message")
-        self.lease = L_CLAIMANT
+        self.lease = _CLAIMANT
+        return NOTHING
 
-    def hand_back(self) -> Wakes:
-        """A pump is done and no reply is awaited: the driver may read at once."""
-        self._last_read = float("-inf")
-        return _WAKES[False][True]
+    def offer_read(self, msg: Incoming, offer: bytes) -> Action:
+        """The claimant read the offer that followed ``msg`` (queued, deferred) in the
+        stream: the message's payload is offered now."""
+        msg.offered(offer)
+        return NOTHING
 
-    # -- receive ops -----------------------------------------------------------------------------
+    def took_in(self, msg: Incoming, tensors: list, nbytes: int) -> Action:
+        """``msg``, queued, had its offered payload copied into ``tensors`` (``nbytes``
+        more held while it is unread)."""
+        msg.taken(tensors)
+        self.inbox.grew(msg, nbytes)
+        return NOTHING
+
+    # -- receive ops and pumps -------------------------------------------------------------------
 
     def take_ticket(self) -> int:
+        """A receive op's place in line (the number :meth:`want` and the rest take)."""
         ticket = self._next_ticket
         self._next_ticket += 1
         return ticket
@@ -252,50 +311,50 @@ class StreamState:
             self._abandoned.discard(self._serving)
             self._serving += 1
 
-    def release_ticket(self, ticket: int) -> bool:
+    def release_ticket(self, ticket: int) -> Action:
         """Give up ``ticket`` if it was not served (its op failed before its turn).
-        Idempotent. Returns whether waiters must be woken."""
+        Idempotent. Wakes the waiters when that moved the line on."""
         if ticket < self._serving or ticket in self._abandoned:
-            return False
+            return NOTHING
         self._abandoned.add(ticket)
         self._skip_abandoned()
-        return True
+        return _CALLERS
 
     def want(
-        self, now: float, deadline: float, asked: bool, ticket: int | None = None,
-        pumper: int | None = None,
-    ) -> tuple[Turn, bool]:
+        self, now: float, deadline: float, ticket: int | None = None, pumper: int | None = None,
+    ) -> Action:
         """What the receive op holding ``ticket`` (or, without one, a pump: thread id
-        ``pumper``) does next; ``asked``: it asked the driver already. Returns the turn
-        and whether it has asked now (it then calls :meth:`unask` when done)."""
+        ``pumper``) does next: ``SERVE``, ``FAIL``, ``TIMEOUT``, ``READ`` (it holds the
+        stream: ``CALLER``), or ``WAIT`` until its deadline, with a poke when it asks the
+        driver to leave the stream (once: the ask stands until the op ends)."""
         if ticket is not None:
             if self._abandoned:
                 self._skip_abandoned()
             my_turn = self._serving == ticket
             if my_turn and self.inbox:
-                return T_SERVE, asked
+                return _SERVE
             if my_turn and self.error is not None:
-                return T_FAIL, asked
+                return _FAIL
             if now >= deadline:
-                return T_TIMEOUT, asked
+                return _TIMEOUT
             if not my_turn:
-                return T_WAIT, asked
-        elif now >= deadline:
-            return T_TIMEOUT, asked
-        if self.error is None and self.attached and self.pollable:
-            if self.lease is L_IDLE:
-                self.lease = L_CALLER
+                return _WAIT
+            key: Any = ticket
+        else:
+            if now >= deadline:
+                return _TIMEOUT
+            key = ("pump", pumper)
+        if self.error is None and self.pollable and self.transport is not None:
+            if self.lease is _IDLE:
+                self.lease = _CALLER
                 self.pumper = pumper
-                return T_READ, asked
-            if self.lease is L_DRIVER and not asked:
-                self.wanting += 1
-                return T_ASK, True
-        return T_WAIT, asked
+                return _READ
+            if self.lease is _DRIVER_LEASE and key not in self._asked:
+                self._asked.add(key)
+                return _ASK
+        return _WAIT
 
-    def unask(self) -> None:
-        self.wanting -= 1
-
-    def served(self, ticket: int, consumed: bool, now: float) -> Wakes:
+    def served(self, ticket: int, consumed: bool, now: float) -> Action:
         """``ticket``'s op handled the message at the inbox's head (``consumed``: took it
         out) at ``now``. The next ticket's turn begins.
 
@@ -309,25 +368,45 @@ class StreamState:
             self._serving = ticket + 1
         if self._next_ticket <= self._serving:
             self._last_read = now
-        return EVERYONE if room else _CALLERS
+        if self._asked:
+            self._asked.discard(ticket)
+        return _EVERYONE if room else _CALLERS
 
-    def served_own(self, msg: Incoming, ticket: int, consumed: bool, now: float) -> Wakes:
+    def served_own(self, msg: Incoming, ticket: int, consumed: bool, now: float) -> Action:
         """``ticket``'s op, holding the stream (``CALLER``) on its turn with the inbox
         empty, read ``msg`` and handled it at ``now`` (``consumed``: took it; else it
         stays queued): :meth:`leave` and :meth:`served` in one, the message never
         queued. The next ticket's turn begins."""
         if not consumed:
             self.inbox.put(msg)
-        self.lease = L_STALLED if msg.payload is P_IN_STREAM else L_IDLE
+        self.lease = _STALLED if msg.payload is _IN_STREAM else _IDLE
         self._last_read = now
         self.pumper = None
         if ticket >= self._serving:
             self._serving = ticket + 1
+        if self._asked:
+            self._asked.discard(ticket)
         return _CALLERS
 
-    def failed_op(self, ticket: int) -> None:
+    def failed_op(self, ticket: int) -> Action:
         """``ticket``'s op raised: its turn ends (or, not its turn yet, it is skipped)."""
         if self._serving == ticket:
             self._serving += 1
         else:
             self._abandoned.add(ticket)
+        self._asked.discard(ticket)
+        return _CALLERS
+
+    def wake_pumper(self, pumper: int) -> Action:
+        """The future ``pumper`` waits for got done on another thread: poked out of its
+        poll when it reads as the caller now, woken when it waits for a turn."""
+        return Action(callers=True, poke=self.pumper == pumper)
+
+    def pump_done(self, pumper: int, hand_back: bool) -> Action:
+        """``pumper`` stops pumping; ``hand_back``: no other reply is awaited, so the
+        driver may read at once."""
+        self._asked.discard(("pump", pumper))
+        if not hand_back:
+            return NOTHING
+        self._last_read = float("-inf")
+        return _DRIVER
