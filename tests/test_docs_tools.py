@@ -69,6 +69,21 @@ def test_every_docs_block_runs_or_says_why():
             check_doc_blocks.parse(page, f.read())
 
 
+def test_the_quickstart_blocks_are_the_example_that_runs():
+    """The README's and the getting-started page's first program is not run by the docs
+    check: it is examples/quickstart.py, which the suite and the wheel check run."""
+    with open(os.path.join(ROOT, "examples", "quickstart.py")) as f:
+        example = f.read()
+    skipped = []
+    for page in ("README.md", "docs/getting-started.md"):
+        with open(os.path.join(ROOT, page)) as f:
+            blocks = check_doc_blocks.parse(page, f.read())
+        skipped += [b for b in blocks if "examples/quickstart.py" in b.reason]
+    assert len(skipped) == 2, [b.where for b in skipped]
+    for block in skipped:
+        assert block.action == "skip" and block.code in example, block.where
+
+
 def test_regions_are_rewritten_and_hand_rows_kept(monkeypatch):
     monkeypatch.setitem(make_tables.RENDERERS, "demo", lambda: "| a |\n| --- |\n| 1 |")
     monkeypatch.setattr(make_tables, "measured_rows", lambda: [["Measured: x", "1", "2", "3", "4"]])

@@ -113,47 +113,17 @@ def test_broadcast_along_the_chain_to_another_node(two_node_cluster):
         group.shutdown()
 
 
-@pytest.mark.multinode
-def test_a_broadcast_past_the_pool_streams_along_the_chain(two_node_cluster):
-    """A state dict larger than the pool goes along the chain one bucket after the other:
-    the relay takes it as an iterator and hands each bucket to its node-mates through the
-    fan-out, which take it into their tensors or as their shards; a send between the
-    nodes streams over Gloo."""
-    from tests.comm.test_weight_sync import POOL, Syncer
-
-    group = Syncer.create_group().launch(
-        two_node_cluster, NodePlacementStrategy([0, 0, 1, 1, 1]), name="ws_chain",
-        env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)},
-    )
-    members = [("ws_chain", [0, 1, 2, 3, 4])]
-    src = ("ws_chain", 0)
-    try:
-        hows = {1: "whole", 2: "iter", 3: "into", 4: ("tp", 1, 2)}  # 2: the relay
-        for step in (1, 2):
-            handles = [group.execute_on(0).source(step, members=members, src=src)] + [
-                group.execute_on(r).take(step, how, members=members, src=src)
-                for r, how in hows.items()]
-            got = [h.wait(timeout=180)[0] for h in handles]
-            assert got[1:] == [True] * 4
-        relay = group.execute_on(2).broadcast_stats(members).wait(timeout=60)[0]
-        assert relay["buckets_in"] >= 8 and relay["buckets_out"] == relay["buckets_in"]
-        # send/recv past the pool between the nodes (over Gloo) streams too.
-        for how in ("into", "iter"):
-            sent = group.execute_on(0).send_to(3, 2, group="ws_chain", bucket_bytes=1 << 20)
-            got = group.execute_on(2).recv_as(3, how, group="ws_chain").wait(timeout=180)
-            assert got == [True] and sent.wait(timeout=180) == [True]
-    finally:
-        group.shutdown()
+SYNC = "ws_chain"
 
 
 @pytest.fixture(scope="module")
-def three_syncers(two_node_cluster):
-    """A trainer on the first node; a relay and its node-mate on the second (pool 8 MiB:
-    the test's state dicts stream)."""
+def syncers(two_node_cluster):
+    """A trainer (rank 0) and a receiver beside it on the first node; a relay (rank 2) and
+    its node-mate (rank 3) on the second (pool 8 MiB: the tests' state dicts stream)."""
     from tests.comm.test_weight_sync import POOL, Syncer
 
     group = Syncer.create_group().launch(
-        two_node_cluster, NodePlacementStrategy([0, 1, 1]), name="ws3",
+        two_node_cluster, NodePlacementStrategy([0, 0, 1, 1]), name=SYNC,
         env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)},
     )
     yield group
@@ -161,67 +131,93 @@ def three_syncers(two_node_cluster):
 
 
 @pytest.mark.multinode
-def test_only_the_shards_a_node_takes_cross_its_link(three_syncers):
+def test_a_broadcast_past_the_pool_streams_along_the_chain(syncers):
+    """A state dict larger than the pool goes along the chain one bucket after the other
+    while the source's node-mate takes it through the fan-out: the relay takes it (as an
+    iterator, then whole) and hands each bucket to its node-mate through the fan-out,
+    which takes it into its tensors, then as its shards; a send between the nodes
+    streams over Gloo."""
+    group = syncers
+    members = [(SYNC, [0, 1, 2, 3])]
+    src = (SYNC, 0)
+    for step, hows in ((1, {1: "whole", 2: "iter", 3: "into"}),
+                       (2, {1: "into", 2: "whole", 3: ("tp", 1, 2)})):
+        handles = [group.execute_on(0).source(step, members=members, src=src)] + [
+            group.execute_on(r).take(step, how, members=members, src=src)
+            for r, how in hows.items()]
+        got = [h.wait(timeout=180)[0] for h in handles]
+        assert got[1:] == [True] * 3, (step, got)
+    relay = group.execute_on(2).broadcast_stats(members).wait(timeout=60)[0]
+    assert relay["buckets_in"] >= 8 and relay["buckets_out"] == relay["buckets_in"]
+    # send/recv past the pool between the nodes (over Gloo) streams too.
+    for how in ("into", "iter"):
+        sent = group.execute_on(0).send_to(3, 2, group=SYNC, bucket_bytes=1 << 20)
+        got = group.execute_on(2).recv_as(3, how, group=SYNC).wait(timeout=180)
+        assert got == [True] and sent.wait(timeout=180) == [True]
+
+
+@pytest.mark.multinode
+def test_only_the_shards_a_node_takes_cross_its_link(syncers):
     """Two receivers on the other node take parts 1 and 2 of 4 of each split tensor: the
     link to their node carries those rows only (the relay's count of what came), and
     both get the values of slicing on the source; then the relay alone takes part 0
     of 2; then a node-mate takes a tensor whole, and so does the link."""
     from tests.comm.test_weight_sync import weights
 
-    group = three_syncers
+    group = syncers
     sd = weights(0)
     split = sum(t.nbytes for n, t in sd.items() if n.endswith(("qkv.weight", "o.weight"))
                 or n == "embed.weight")
     rest = sum(t.nbytes for t in sd.values()) - split
-    cases = [([0, 1, 2], {1: ("tp", 1, 4), 2: ("tp", 2, 4)}, split // 2),
-             ([0, 1], {1: ("tp", 0, 2)}, split // 2),
-             ([0, 1, 2], {1: ("tp", 0, 4), 2: "whole"}, split)]
+    cases = [([0, 2, 3], {2: ("tp", 1, 4), 3: ("tp", 2, 4)}, split // 2),
+             ([0, 2], {2: ("tp", 0, 2)}, split // 2),
+             ([0, 2, 3], {2: ("tp", 0, 4), 3: "whole"}, split)]
     seen: dict[tuple, int] = {}  # what the relay of each group counted so far
     for step, (ranks, hows, crossed) in enumerate(cases, 1):
-        members = [("ws3", ranks)]
-        src = ("ws3", 0)
+        members = [(SYNC, ranks)]
+        src = (SYNC, 0)
         handles = [group.execute_on(0).source(step, members=members, src=src)] + [
             group.execute_on(r).take(step, how, members=members, src=src)
             for r, how in hows.items()]
         assert [h.wait(timeout=180)[0] for h in handles][1:] == [True] * len(hows)
-        relay = group.execute_on(1).broadcast_stats(members).wait(timeout=60)[0]
+        relay = group.execute_on(2).broadcast_stats(members).wait(timeout=60)[0]
         came = relay["bytes_in"] - seen.get(tuple(ranks), 0)
         seen[tuple(ranks)] = relay["bytes_in"]
         assert came == rest + crossed, (step, relay, rest, crossed)
 
 
 @pytest.mark.multinode
-def test_a_node_mate_over_its_limit_stops_a_sync_across_nodes_at_once(three_syncers):
+def test_a_node_mate_over_its_limit_stops_a_sync_across_nodes_at_once(syncers):
     """The relay's node-mate refuses the dict (over its RLCOMM_MAX_MESSAGE_BYTES, taking
     new tensors): the relay says so in its report before the first bucket, so every
     member raises CapacityError naming the setting long before the timeout; then the
     group goes on."""
     from tests.comm.test_weight_sync import FAST
 
-    group = three_syncers
-    members = [("ws3", [0, 1, 2])]
-    src = ("ws3", 0)
-    assert group.execute_on(2).set_limit(4 << 20).wait(timeout=60) == [True]
+    group = syncers
+    members = [(SYNC, [0, 2, 3])]
+    src = (SYNC, 0)
+    assert group.execute_on(3).set_limit(4 << 20).wait(timeout=60) == [True]
     try:
         handles = [group.execute_on(0).attempt("source", 11, members=members, src=src),
-                   group.execute_on(1).attempt("take", 11, "into", members=members, src=src,
+                   group.execute_on(2).attempt("take", 11, "into", members=members, src=src,
                                                timeout=60),
-                   group.execute_on(2).attempt("take", 11, "whole", members=members, src=src,
+                   group.execute_on(3).attempt("take", 11, "whole", members=members, src=src,
                                                timeout=60)]
         got = [h.wait(timeout=120)[0] for h in handles]
     finally:
-        group.execute_on(2).set_limit(32 << 30).wait(timeout=60)
+        group.execute_on(3).set_limit(32 << 30).wait(timeout=60)
     for kind, text, seconds in got:
         assert kind == "CapacityError" and "RLCOMM_MAX_MESSAGE_BYTES" in text, got
         assert seconds < FAST, got
-    assert "ws3:2" in got[0][1] and "ws3:2" in got[1][1], got
+    assert f"{SYNC}:3" in got[0][1] and f"{SYNC}:3" in got[1][1], got
     handles = [group.execute_on(0).source(12, members=members, src=src)] + [
-        group.execute_on(r).take(12, "into", members=members, src=src) for r in (1, 2)]
+        group.execute_on(r).take(12, "into", members=members, src=src) for r in (2, 3)]
     assert [h.wait(timeout=120)[0] for h in handles][1:] == [True, True]
 
 
 @pytest.mark.multinode
-def test_a_relay_killed_mid_stream_is_named_by_the_source_and_its_node_mate(three_syncers):
+def test_a_relay_killed_mid_stream_is_named_by_the_source_and_its_node_mate(syncers):
     """The relay took the first tensor of a streamed sync and holds the rest; killed with
     SIGKILL, it is named gone by the source (whose route to it is cut) and by its
     node-mate (whose buckets came through it), well before their timeout. (It kills the
@@ -230,21 +226,21 @@ def test_a_relay_killed_mid_stream_is_named_by_the_source_and_its_node_mate(thre
 
     from tests.waiting import actor_pid, wait_process_gone
 
-    name, group = "ws3", three_syncers
-    members = [(name, [0, 1, 2])]
+    name, group = SYNC, syncers
+    members = [(name, [0, 2, 3])]
     src = (name, 0)
-    pid = actor_pid(group.workers[1])
+    pid = actor_pid(group.workers[2])
     try:
         source = group.execute_on(0).attempt("source", 1, members=members, src=src,
                                              options=CollectiveGroupOptions(timeout=60))
-        mate = group.execute_on(2).attempt("take", 1, "into", members=members, src=src,
+        mate = group.execute_on(3).attempt("take", 1, "into", members=members, src=src,
                                            timeout=60)
-        assert group.execute_on(1).first_then_hold(members, src, 60).wait(timeout=60) == [
+        assert group.execute_on(2).first_then_hold(members, src, 60).wait(timeout=60) == [
             "embed.weight"]
         os.kill(pid, signal.SIGKILL)
         for handle in (source, mate):
             kind, text, seconds = handle.wait(timeout=120)[0]
-            assert kind == "PeerLostError" and f"{name}:1" in text, (kind, text)
+            assert kind == "PeerLostError" and f"{name}:2" in text, (kind, text)
             assert seconds < 45, (kind, text, seconds)
     finally:
         try:

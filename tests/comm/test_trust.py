@@ -299,7 +299,22 @@ class _PortSquatter:
     def __init__(self, host: str, port: int, hello: bytes):
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+
+        def bound() -> bool:
+            try:
+                self.sock.bind((host, port))
+            except OSError as exc:  # the port is still, or again, in use for a moment
+                self.why = f"{exc}: " + subprocess.run(
+                    ["ss", "-tanp", f"sport = :{port}"], capture_output=True, text=True
+                ).stdout
+                return False
+            return True
+
+        self.why = ""
+        try:
+            wait_for(bound, f"the dead worker's port {port} free to take", 15, interval=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; {self.why}") from None
         self.sock.listen(8)
         self.answered = 0
         self.hello = hello  # what it answers each connection with (the test may change it)
