@@ -389,17 +389,17 @@ def test_a_64_mb_dev_shm_does_not_bound_the_shared_memory():
     assert "dev_shm=67108864 streamed=268435456 ok" in out.stdout, out.stdout + out.stderr
 
 
-def test_receivers_killed_or_stopped_mid_stream(group):
+def test_receivers_killed_or_stopped_mid_stream(cluster):
     """In the middle of a stream (each victim took its first tensor and holds the rest):
     a receiver of a `send` killed fails its sender at once; a receiver of a broadcast
     killed fails the source for it alone (the other receiver gets every bucket); one
     stopped, holding its buckets, makes the source and the receiver still waiting fail
-    by the source's timeout, naming it.
-
-    The module's group, whose ranks 2-4 this kills: the module's last test."""
+    by the source's timeout, naming it."""
     import signal
 
-    name, g = GROUP, group
+    name = "ws_faults"
+    g = Syncer.create_group().launch(cluster, NodePlacementStrategy([0] * 5), name=name,
+                                     env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)})
     pids = {r: actor_pid(g.workers[r]) for r in (2, 3, 4)}
     src = (name, 0)
     try:
@@ -442,3 +442,4 @@ def test_receivers_killed_or_stopped_mid_stream(group):
             except ProcessLookupError:
                 pass
             wait_process_gone(pid)
+        g.shutdown()
