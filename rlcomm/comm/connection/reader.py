@@ -159,11 +159,6 @@ class Reader:
     def pollable(self) -> bool:
         return self._state.pollable
 
-    @property
-    def in_use(self) -> bool:
-        """Whether receive ops or messages have used this reader (it cannot be listened)."""
-        return self._state.in_use
-
     def stats(self) -> dict[str, Any]:
         """What a status report shows of the read side: the lease, unread messages and
         bytes, whether it failed."""
@@ -210,9 +205,6 @@ class Reader:
                 pass  # the pipe is full of wake-ups already
         if action.close_pipe:
             self._close_wake_pipe()
-
-    def drain_wake_pipe(self) -> None:
-        drain(self._wake_r)
 
     def _close_wake_pipe(self) -> None:
         if self._wake_w >= 0:

@@ -150,10 +150,6 @@ class StreamState:
         )
 
     @property
-    def attached(self) -> bool:
-        return self.transport is not None
-
-    @property
     def wanting(self) -> int:
         """How many receive ops and pumps asked the driver for the stream."""
         return len(self._asked)
