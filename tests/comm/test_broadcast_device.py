@@ -100,7 +100,9 @@ def _receive(fanout: DeviceFanout, sink: FanoutSink, into=None, taking=None
     sizes = [m.nbytes for m in header.tensors]
     targets = None if into is None else codec.destinations(header, into)
     if offer:
-        buffers = fanout.receive(0, offer, sizes, targets, None, None)
+        current = fanout._ops.current  # BroadcastGroup orders its caller's stream
+        buffers = fanout.receive(0, offer, sizes, targets, None, current)
+        current.synchronize()  # what the host sees then
         tensors = targets or framing.tensors_from_payload(header, buffers)
         how = "device"
     else:

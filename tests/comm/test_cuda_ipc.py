@@ -178,10 +178,10 @@ def test_a_small_payload_is_staged_in_one_copy_and_the_send_does_not_wait(ipc):
     a.complete(out, None, time.monotonic() + 0.01)  # nothing to wait for
     assert dev_a.copies == 1  # all tensors into the slot in one batched copy
     sizes = [t.numel() * t.element_size() for t in tensors]
-    got = b.accept(out.offer, sizes, None, None, None)
+    got = b.accept(out.offer, sizes, None, None, dev_b.current)
     assert dev_b.copies == 1  # and out of it in one copy
     want = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
-    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [dev_b.read(g).tolist() for g in got] == [w.tolist() for w in want]
     wait_for(lambda: a.stats()["in_flight"] == 0, "the ack freed the slot", 10)
     assert a.stats()["acked"] == 1 and b.stats()["received"] == 1
 
@@ -203,29 +203,31 @@ def test_a_lent_payload_lands_straight_in_the_receivers_tensors(ipc):
     params = {"w": torch.randn(64, 64), "b": torch.randn(4096)}
     dst = {k: torch.zeros_like(v) for k, v in params.items()}
     for _ in range(3):
+        dev_a.current.synchronize()  # the last receiver's copy is done: write again
         params["w"].add_(1)
         out = _send(a, list(params.values()))
-        done = threading.Thread(target=a.complete, args=(out, None, time.monotonic() + 10))
+        done = threading.Thread(target=a.complete,
+                                args=(out, dev_a.current, time.monotonic() + 10))
         done.start()
         b.accept(out.offer, [v.numel() * 4 for v in params.values()], list(dst.values()),
-                 None, None)
+                 None, dev_b.current)
         done.join(timeout=10)
         assert not done.is_alive()
-        assert all(torch.equal(dst[k], params[k]) for k in params)
+        assert all(torch.equal(dev_b.read(dst[k]), params[k]) for k in params)
     assert dev_b.copies == 3 and dev_b.allocated == 0  # one copy per sync, into place
     assert dev_a.shares == 2  # each allocation shared once, then reused
     assert b.stats()["opened"] == 2
 
 
 def test_slots_are_reused_after_acks_and_a_full_staging_times_out(ipc):
-    a, b, _ = ipc
+    a, b, (_, dev_b) = ipc
     outs = [_send(a, [torch.full((8,), float(i))]) for i in range(4)]
     assert sorted(o.slot for o in outs) == [0, 1, 2, 3]
     with pytest.raises(CommTimeoutError, match="all 4 staging slots"):
         _send(a, [torch.ones(8)], time.monotonic() + 0.2)
     for i, out in enumerate(outs[:2]):
-        (got,) = b.accept(out.offer, [32], None, None, None)
-        assert torch.equal(got.view(torch.float32), torch.full((8,), float(i)))
+        (got,) = b.accept(out.offer, [32], None, None, dev_b.current)
+        assert torch.equal(dev_b.read(got).view(torch.float32), torch.full((8,), float(i)))
     again = _send(a, [torch.ones(8)])  # waits for, and takes, a slot the acks freed
     assert again.slot in (outs[0].slot, outs[1].slot)
 
@@ -292,7 +294,7 @@ def test_the_sender_sees_its_peer_lost_and_releases_what_it_shared(ipc):
 
 
 def test_idle_staging_and_opened_memory_are_released(ipc):
-    a, b, _ = ipc
+    a, b, (_, dev_b) = ipc
     before = get_settings().cuda_idle_release
     update_settings(cuda_idle_release=0.2)
     try:
@@ -303,33 +305,37 @@ def test_idle_staging_and_opened_memory_are_released(ipc):
         wait_for(lambda: a.stats()["staging_bytes"] == 0 and b.stats()["opened"] == 0,
                  "the condition", 10)
         out = _send(a, [torch.full((8,), 3.0)])  # staging is made anew on demand
-        assert b.accept(out.offer, [32], None, None, None)[0].view(torch.float32)[0] == 3.0
+        (got,) = b.accept(out.offer, [32], None, None, dev_b.current)
+        assert dev_b.read(got).view(torch.float32)[0] == 3.0
     finally:
         update_settings(cuda_idle_release=before)
 
 
 def test_a_thousand_syncs_hold_no_more_memory_than_one(ipc):
     a, b, (dev_a, dev_b) = ipc
+    dev_a.latency = dev_b.latency = 0.0  # memory, not ordering: the streams keep up
     params = [torch.randn(2048) for _ in range(4)]
     dst = [torch.empty_like(p) for p in params]
 
     def sync(fresh: bool) -> None:
         src = [p.clone() for p in params] if fresh else params
         out = _send(a, src)
-        done = threading.Thread(target=a.complete, args=(out, None, time.monotonic() + 10))
+        done = threading.Thread(target=a.complete,
+                                args=(out, dev_a.current, time.monotonic() + 10))
         done.start()
-        b.accept(out.offer, [8192] * 4, dst, None, None)
+        b.accept(out.offer, [8192] * 4, dst, None, dev_b.current)
         done.join(timeout=10)
 
     for fresh in (False, True):  # the same tensors each time, and new ones each time
         for _ in range(500):
             sync(fresh)
+        dev_b.synchronize_all()  # the copies queued on the receiver's stream are done
         # The receiver keeps open only what the last sync used; the sender's shares of
         # freed tensors are forgotten once it shares more than it keeps.
         assert b.stats()["opened"] == 4 and dev_b.opened == 4
         assert dev_b.allocated == 0
     assert a.stats()["acked"] == 1000
-    assert torch.equal(dst[0], params[0])
+    assert torch.equal(dev_b.read(dst[0]), params[0])
 
 
 # -- the connection's choice, wired (GPU UUIDs faked) ---------------------------------------------
@@ -433,7 +439,8 @@ def _send_device(conn: Connection, tensors, behind: bool = False) -> None:
     """What the sender does with a CUDA payload over a one-sided transport (``behind``:
     the pair's first CUDA message, whose offer follows its frame)."""
     frame = _device_frame(tensors)
-    order = DeviceOrder(None, None, False)
+    current = conn._cuda._ops.current  # a blocking send's order: the caller's stream
+    order = DeviceOrder(current, current, False)
     with conn.sender._lock:
         if behind:
             conn._transport.send_frame(frame, [], 10)
@@ -442,7 +449,11 @@ def _send_device(conn: Connection, tensors, behind: bool = False) -> None:
 
 
 def _received(conn: Connection, into=None):
-    return conn.recv_object(conn.take_ticket(), 10, None, into)
+    """A receive op's tensors, as the host sees them once the caller's stream (which
+    the op ordered after its copy) is done."""
+    got = conn.recv_object(conn.take_ticket(), 10, None, into)
+    conn._cuda._ops.current.synchronize()
+    return got
 
 
 def test_offers_ride_in_frames_and_the_receive_op_copies_out(linked):
@@ -454,8 +465,9 @@ def test_offers_ride_in_frames_and_the_receive_op_copies_out(linked):
     sender.start()
     got = _received(b)
     assert [torch.equal(x, y) for x, y in zip(got, small)] == [True, True]
-    into = [torch.zeros(4096), torch.zeros(100)]
-    assert _received(b, into) is into and torch.equal(into[0], big[0])
+    # (A receive into given tensors goes through the transport's tests: the receive
+    # op copies into CUDA tensors in place, and these CPU ones are no CUDA tensors.)
+    assert [torch.equal(x, y) for x, y in zip(_received(b), big)] == [True, True]
     sender.join(timeout=10)
     assert not sender.is_alive()
     # Nothing of either payload went through the connection's stream or the store.
@@ -470,6 +482,18 @@ def test_staged_messages_to_a_worker_that_does_not_receive_yet_all_go(linked):
         _send_device(a, [torch.full((16,), float(i))])
     assert [int(_received(b)[0][0]) for _ in range(20)] == list(range(20))
     assert a._cuda.stats()["acked"] == 20
+
+
+def test_a_receive_op_orders_its_stream_after_a_copy_taken_in_earlier(linked):
+    """The reader copies a staged payload out as its frame arrives, on the transport's
+    receive stream, with no caller to order; the receive op orders the caller's stream
+    after that copy (``order_after``), so the host reads the payload, not the memory
+    before it."""
+    a, b, (_, dev_b) = linked
+    b._cuda._recv_stream.latency = 0.05  # the copy taken in is still queued
+    _send_device(a, [torch.full((16,), 5.0)])
+    wait_for(lambda: b._cuda.stats()["received"] == 1, "b's reader takes the offer in", 10)
+    assert torch.equal(_received(b)[0], torch.full((16,), 5.0))
 
 
 def test_the_first_cuda_message_brings_its_offer_behind_its_frame(linked):

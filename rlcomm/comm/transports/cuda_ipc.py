@@ -694,7 +694,12 @@ class CudaIpcTransport(OneSidedTransport):
         memory = [self._open(s, src_device, offer.seq, offer.staged) for s in offer.shares]
         srcs = [memory[i][o : o + n] for i, o, n in offer.pieces]
         stream = self._recv_stream
-        ops.wait_stream(stream, order)  # the caller's buffers are free to write
+        # The buffers are free to write once the caller's work queued so far is done. A
+        # copy taken in before any receive op (order None) writes new memory, which the
+        # allocator hands out from the pool of this thread's current stream: a block
+        # that kernels queued there may still read, freed by their tensor's owner.
+        ops.wait_stream(stream, order if order is not None else ops.current_stream(
+            into[0].device if into else device or src_device))
         ops.wait_event(stream, self._peer_ready)  # the sender's bytes are there
         if into is not None:
             dsts = [v for v in byte_views(into, f"cuda_ipc recv from {self._peer}", ops) if v.numel()]
