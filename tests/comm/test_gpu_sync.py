@@ -5,14 +5,15 @@ on CPU in test_cuda_ipc.py and test_broadcast_device.py)."""
 
 from __future__ import annotations
 
-import time
+import os
+import signal
 
 import pytest
-import ray
 import torch
 
 from rlcomm import CollectiveGroupOptions, PackedPlacementStrategy, Worker
 from rlcomm.comm.identity.address import WorkerAddress
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -42,6 +43,9 @@ class Syncer(Worker):
             self._kept = self._conn(group, rank)
         cuda = self._kept._cuda
         return None if cuda is None else {"name": cuda.name, **cuda.stats()}
+
+    def pid(self):
+        return os.getpid()
 
     def memory(self):
         torch.cuda.synchronize()
@@ -107,9 +111,9 @@ class Syncer(Worker):
         return (all(bool((v == step + i).all()) for i, v in enumerate(got.values())),
                 (got is target) if into else True, links)
 
-    def send_and_receive(self, group, rank, nbytes):
-        """Send a lent payload to the peer before receiving its own (both do)."""
-        mine = torch.full((nbytes // 4,), float(self._rank + 1), device="cuda")
+    def send_and_receive(self, group, rank, nbytes, value):
+        """Send a lent payload of ``value`` to the peer before receiving its own (both do)."""
+        mine = torch.full((nbytes // 4,), float(value), device="cuda")
         self.send(mine, group, rank, options=CollectiveGroupOptions(timeout=60))
         got = self.recv(group, rank, options=CollectiveGroupOptions(timeout=60))
         return float(got[0])
@@ -154,8 +158,9 @@ def test_an_async_send_is_ordered_after_the_callers_stream(pair, nbytes):
 
 def test_two_workers_that_both_send_cuda_first_both_go_on(pair):
     a, b = pair
-    ra = a.send_and_receive("gsync_1", 0, 16 << 20)
-    rb = b.send_and_receive("gsync_0", 0, 16 << 20)
+    # Each is rank 0 of its own group: the values tell the two payloads apart.
+    ra = a.send_and_receive("gsync_1", 0, 16 << 20, 1.0)
+    rb = b.send_and_receive("gsync_0", 0, 16 << 20, 2.0)
     assert ra.wait(timeout=120) == [2.0] and rb.wait(timeout=120) == [1.0]
 
 
@@ -179,19 +184,19 @@ def test_staging_and_lent_memory_are_released_when_the_peer_is_killed(cluster):
         base = trainer.memory().wait(timeout=30)[0]
         pulled = victim.pull("gkill_0", 0, 1)
         trainer.push("gkill_1", 0, 1).wait(timeout=120)
-        pulled.wait(timeout=120)
-        # Staged messages the victim never receives hold staging slots.
+        pulled.wait(timeout=120)  # the trainer's parameters are lent to the victim now
+        # A stopped victim cannot copy staged payloads out (its reader would, at once,
+        # as their frames arrive, and ack them without any recv): they hold slots.
+        pid = victim.pid().wait(timeout=30)[0]
+        os.kill(pid, signal.SIGSTOP)
         trainer.push_small("gkill_1", 0, 4).wait(timeout=120)
         held = trainer.cuda_stats("gkill_1", 0).wait(timeout=30)[0]
-        assert held["staging_bytes"] > 0 and held["in_flight"] == 4
-        ray.kill(victim.workers[0], no_restart=True)
-        deadline = time.monotonic() + 30
-        while True:  # the trainer's connection sees the death and releases everything
-            stats = trainer.cuda_stats("gkill_1", 0).wait(timeout=30)[0]
-            if stats["staging_bytes"] == 0 and stats["lent"] == 0:
-                break
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.2)
+        assert held["staging_bytes"] > 0 and held["in_flight"] == 4 and held["lent"] > 0
+        os.kill(pid, signal.SIGKILL)
+        # The trainer's connection sees the death and releases everything.
+        wait_for(lambda: (lambda s: s["staging_bytes"] == 0 and s["lent"] == 0)(
+            trainer.cuda_stats("gkill_1", 0).wait(timeout=30)[0]),
+            "the trainer releases the staging and lent memory of the dead victim", 30, 0.2)
         # Nothing of the trainer's GPU memory stays pinned for the dead process.
         assert trainer.memory().wait(timeout=30)[0] == base
     finally:
