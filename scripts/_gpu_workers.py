@@ -13,9 +13,10 @@ import time
 from multiprocessing import shared_memory
 from typing import Any
 
-import numpy as np
 import ray
 import torch
+from _handoff import NBYTES as HANDOFF_BYTES
+from _handoff import HandOff
 
 from rlcomm import Worker
 
@@ -181,7 +182,7 @@ class MessageWorker(Worker):
         ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
         for e in ready:
             e.record()
-        flags = shared_memory.SharedMemory(create=True, size=64)
+        flags = shared_memory.SharedMemory(create=True, size=HANDOFF_BYTES)
         self._floor = {"buf": buf, "ready": ready, "flags": flags, "slot": max(nbytes, 512),
                        "src": torch.ones(nbytes, dtype=torch.uint8, device="cuda")}
         torch.cuda.synchronize()
@@ -209,44 +210,44 @@ class MessageWorker(Worker):
         self._floor["done"] = [torch.cuda.Event.from_ipc_handle(0, h) for h in handles]
         return True
 
-    def floor_run(self, sender: bool, nbytes: int, iters: int, serial: bool) -> float:
-        """``iters`` hand-offs; ``serial``: each waits for the last one's copy to be done
-        on the receiver (latency), else up to :data:`SLOTS` in flight (stream). Seconds
-        per hand-off, on the sender."""
+    def floor_run(self, sender: bool, nbytes: int, iters: int, serial: bool, run: int) -> float:
+        """Run ``run`` (a new id each call, the same on both sides): ``iters``
+        hand-offs; ``serial``: each waits for the last one's copy to be done on the
+        receiver (latency), else up to :data:`SLOTS` in flight (stream). Seconds per
+        hand-off, on the sender."""
         f = self._floor
-        flags = np.ndarray((2,), dtype=np.int64, buffer=f["flags"].buf)
-        if sender:
-            flags[:] = 0
+        flags = HandOff(f["flags"].buf)
         depth = 1 if serial else self.SLOTS
         stream = torch.cuda.current_stream()
         slot = f["slot"]
         torch.cuda.synchronize()
+        if sender:
+            flags.start_sending(run)
+        else:
+            flags.start_receiving(run)
         start = time.perf_counter()
         for i in range(iters):
             k = i % self.SLOTS
             view = f["buf"][k * slot : k * slot + nbytes]
             if sender:
-                while i - flags[1] >= depth:
-                    pass
+                flags.wait_room(i, depth)
                 stream.wait_event(f["done"][k])
                 view.copy_(f["src"], non_blocking=True)
                 f["ready"][k].record(stream)
-                flags[0] = i + 1
+                flags.sent(i)
             else:
-                while flags[0] < i + 1:
-                    pass
+                flags.wait_sent(i)
                 stream.wait_event(f["ready"][k])
                 f["dst"].copy_(view, non_blocking=True)
                 f["done"][k].record(stream)
                 if serial:
                     stream.synchronize()
-                flags[1] = i + 1
+                flags.taken(i)
         if sender:
-            while flags[1] < iters + 1:
-                pass
+            flags.wait_finished(iters)
         else:
             torch.cuda.synchronize()
-            flags[1] = iters + 1
+            flags.finish(iters)
         return (time.perf_counter() - start) / iters
 
     def floor_close(self) -> bool:

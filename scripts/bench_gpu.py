@@ -42,6 +42,7 @@ every case the machine allows):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -328,10 +329,12 @@ def _message_records(a: Any, b: Any, nbytes: int, iters: int, mps: bool, info: l
     events = b.floor_attach(opened, nbytes).wait(timeout=60)[0]
     a.floor_peer_events(events).wait(timeout=60)
     try:
+        runs = itertools.count(1)
         for name, serial in (("floor streamed", False), ("floor ping-pong", True)):
             def floor(n: int, serial: bool = serial) -> float:
-                other = b.floor_run(False, nbytes, n, serial)
-                took = a.floor_run(True, nbytes, n, serial).wait(timeout=600)[0]
+                run = next(runs)  # both sides start on this id, the counts reset
+                other = b.floor_run(False, nbytes, n, serial, run)
+                took = a.floor_run(True, nbytes, n, serial, run).wait(timeout=600)[0]
                 other.wait(timeout=600)
                 return took
             timed(name, floor)
