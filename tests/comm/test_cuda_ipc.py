@@ -318,8 +318,10 @@ def test_a_thousand_syncs_hold_no_more_memory_than_one(ipc):
     dst = [torch.empty_like(p) for p in params]
 
     def sync(fresh: bool) -> None:
-        src = [p.clone() for p in params] if fresh else params
-        out = _send(a, src)
+        # Fresh tensors come from the fake's allocator, whose freed memory torch's way
+        # keeps aside while the receiver holds it (a test's own tensors stay alive).
+        src = [dev_a.tensor(p) for p in params] if fresh else params
+        out = a.offer(src, dev_a.current, _deadline())
         done = threading.Thread(target=a.complete,
                                 args=(out, dev_a.current, time.monotonic() + 10))
         done.start()
@@ -330,12 +332,52 @@ def test_a_thousand_syncs_hold_no_more_memory_than_one(ipc):
         for _ in range(500):
             sync(fresh)
         dev_b.synchronize_all()  # the copies queued on the receiver's stream are done
-        # The receiver keeps open only what the last sync used; the sender's shares of
-        # freed tensors are forgotten once it shares more than it keeps.
-        assert b.stats()["opened"] == 4 and dev_b.opened == 4
+        # The receiver keeps open what the sender still holds (the parameters, and the
+        # last sync's fresh tensors); each lent offer named the tensors freed since the
+        # last one, and the receiver closed those.
+        assert b.stats()["opened"] == dev_b.opened == (8 if fresh else 4)
+        assert a.stats()["lent"] == (8 if fresh else 4)
         assert dev_b.allocated == 0
     assert a.stats()["acked"] == 1000
     assert torch.equal(dev_b.read(dst[0]), params[0])
+
+
+def test_tensors_sent_one_by_one_stay_open_until_the_sender_frees_them(ipc):
+    """A lent allocation stays open on the receiver until the sender frees it: sending
+    tensors one by one, again and again, opens each once and closes none (each close
+    would synchronize the receiver's stream); the next lent offer after some are freed
+    names them, and the receiver closes those alone."""
+    a, b, (dev_a, dev_b) = ipc
+    # 16 KiB each (lent), from the fake's allocator: the sender's storage dies when
+    # freed, though the receiver holds its memory open.
+    params = [dev_a.tensor(torch.full((4096,), float(i))) for i in range(16)]
+    into = torch.empty(4096)
+
+    def send_one(t: torch.Tensor) -> None:
+        out = a.offer([t], dev_a.current, _deadline())
+        done = threading.Thread(target=a.complete, args=(out, dev_a.current, _deadline()))
+        done.start()
+        b.accept(out.offer, [t.numel() * 4], [into], None, dev_b.current)
+        done.join(timeout=10)
+        assert not done.is_alive()
+
+    for _ in range(3):
+        for i in range(16):
+            send_one(params[i])
+    assert torch.equal(dev_b.read(into), dev_a.read(params[-1]))
+    assert dev_a.shares == 16 and dev_b.opened == 16 and dev_b.closes == 0
+    shares = list(a._shared)
+    del params[8:]  # the sender frees half of them
+    send_one(params[0])
+    wait_for(lambda: a.stats()["in_flight"] == 0, "the sender takes the ack in", 10)
+    dev_b.synchronize_all()  # queued copies out of the freed tensors are done
+    assert dev_b.opened == 8 and dev_b.closes == 8 and b.stats()["opened"] == 8
+    assert a.stats()["lent"] == a.stats()["shared"] == 8  # none left to release for b
+    assert [held(s) for s in shares] == [1] * 8 + [0] * 8
+
+
+def _deadline() -> float:
+    return time.monotonic() + 10
 
 
 # -- the connection's choice, wired (GPU UUIDs faked) ---------------------------------------------

@@ -26,7 +26,8 @@ events' handles. After that, one message:
    It records *ready* and returns an :class:`Offer` (the memory's handles, each tensor's
    place) that the connection carries in the message's frame.
 2. The receiver, holding the frame, opens the memory (once per allocation; an opened
-   allocation is kept while the sender's messages use it), makes its receive stream
+   allocation stays open until the sender says it freed it: a lent offer names the
+   allocations freed since the last one), makes its receive stream
    wait on *ready*, copies into the caller's tensors or new ones (a staged payload in
    one copy, as soon as its frame is read; a lent one when a receive op takes it),
    records *done*, orders the caller's stream after it and sends the ack: the message's
@@ -108,6 +109,9 @@ class Offer(msgspec.Struct, array_like=True, frozen=True):
         pieces: per non-empty tensor, ``(share index, byte offset in that storage,
             bytes)``.
         staged: the pieces lie in one staging slot, in order (one copy takes them all).
+        retired: the shares (their counters) of the sender's allocations freed since its
+            last lent offer: the receiver closes them, and torch then lets the sender's
+            allocator have that memory again.
     """
 
     seq: int
@@ -115,6 +119,7 @@ class Offer(msgspec.Struct, array_like=True, frozen=True):
     shares: list[Share]
     pieces: list[tuple[int, int, int]]
     staged: bool = False
+    retired: list[tuple[bytes, int]] = []
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True):
@@ -276,6 +281,7 @@ class Sent:
     lent: bool
     slot: int | None = None
     nbytes: int = 0
+    retired: tuple[tuple[bytes, int], ...] = ()
 
 
 class _LentShare:
@@ -344,12 +350,13 @@ class CudaIpcTransport(OneSidedTransport):
         self._slot_bytes = slot_bytes()
         self._slot_count = get_settings().cuda_staging_slots
         self._lent: dict[tuple[int, int], _LentShare] = {}
+        self._retiring: list[tuple[bytes, int]] = []  # freed, for the next lent offer
         self._shared: list[Share] = []  # everything this end shared with the peer
         self._last_send = time.monotonic()
         # The receiving side (under _recv_lock).
         self._recv_lock = threading.Lock()
         self._expected = 0
-        self._opened: dict[tuple, list] = {}  # key -> [memory, last seq, staged]
+        self._opened: dict[tuple, torch.Tensor] = {}  # share's key -> the memory opened
         self._last_recv = time.monotonic()
         _IDLE.add(self)
 
@@ -426,6 +433,10 @@ class CudaIpcTransport(OneSidedTransport):
                     "was due; the CUDA path is closed"))
             self._acked += 1
             sent = self._in_flight.pop(seq)
+            if sent.retired:  # the receiver closed them: nothing to release for it
+                gone = set(sent.retired)
+                self._shared = [s for s in self._shared
+                                if (s.ref_counter, s.ref_counter_offset) not in gone]
             if sent.slot is not None and self._staging is not None:
                 self._staging.free.append(sent.slot)
             if status == _REFUSED:
@@ -474,25 +485,25 @@ class CudaIpcTransport(OneSidedTransport):
         lent = self._lent.get(key)
         if lent is not None and not ops.expired(lent.ref):
             return lent.share
-        if lent is not None:
+        if lent is not None:  # freed, and a new storage at its address
             ops.free_weak_ref(lent.ref)
-        if len(self._lent) >= 4096:
-            self._forget_expired()
+            self._retiring.append((lent.share.ref_counter, lent.share.ref_counter_offset))
         share = ops.share(view)
         self._lent[key] = _LentShare(ops.weak_ref(view), share)
         self._shared.append(share)
         return share
 
-    def _forget_expired(self) -> None:
+    def _retire_freed(self) -> tuple[tuple[bytes, int], ...]:
+        """The shares of allocations freed since the last lent offer (forgotten here;
+        the receiver closes them when the offer comes)."""
         ops = self._ops
         for key, lent in list(self._lent.items()):
             if ops.expired(lent.ref):
                 ops.free_weak_ref(lent.ref)
                 del self._lent[key]
-        live = {(s.ref_counter, s.ref_counter_offset) for s in (x.share for x in self._lent.values())}
-        if self._staging is not None:
-            live.add((self._staging.share.ref_counter, self._staging.share.ref_counter_offset))
-        self._shared = [s for s in self._shared if (s.ref_counter, s.ref_counter_offset) in live]
+                self._retiring.append((lent.share.ref_counter, lent.share.ref_counter_offset))
+        retired, self._retiring = tuple(self._retiring), []
+        return retired
 
     def offer(
         self, tensors: Sequence[torch.Tensor], order: object, deadline: float | None,
@@ -515,7 +526,7 @@ class CudaIpcTransport(OneSidedTransport):
             if not pieces:  # nothing to read: no message number, no ack
                 return Sent(-1, _encode(Offer(-1, self._gpu, [], [])), False)
             ops.wait_stream(self._send_stream, order)
-            slot = None
+            slot, retired = None, ()
             if not lend and total <= self._slot_bytes and self._slot_count:
                 slot = self._take_slot(deadline, on_wait)
                 area = self._staging.slot(slot)  # type: ignore[union-attr]
@@ -531,6 +542,7 @@ class CudaIpcTransport(OneSidedTransport):
                 spots = [(0, base + o, n) for o, n in zip(offsets, sizes)]
             else:
                 shares, spots, index = [], [], {}
+                retired = self._retire_freed()
                 for v in pieces:
                     share = self._share_of(v)
                     at = index.setdefault((share.ref_counter, share.ref_counter_offset), len(shares))
@@ -540,8 +552,9 @@ class CudaIpcTransport(OneSidedTransport):
             ops.record(self._ready, self._send_stream)
             seq = self._next_seq
             self._next_seq += 1
-            sent = Sent(seq, _encode(Offer(seq, self._gpu, shares, spots, slot is not None)),
-                        slot is None, slot, total)
+            sent = Sent(seq, _encode(Offer(seq, self._gpu, shares, spots, slot is not None,
+                                           list(retired))),
+                        slot is None, slot, total, retired)
             self._in_flight[seq] = sent
             self._last_send = time.monotonic()
             return sent
@@ -606,25 +619,24 @@ class CudaIpcTransport(OneSidedTransport):
 
     # -- receiving ------------------------------------------------------------------------------
 
-    def _open(self, share: Share, device: torch.device, seq: int, staged: bool) -> torch.Tensor:
+    def _open(self, share: Share, device: torch.device) -> torch.Tensor:
         # The counter is part of the key: a storage shared anew (the old one was freed)
         # is opened anew, so that each sharing's counter is taken down by its own close.
         key = (share.handle, share.offset, share.nbytes, share.ref_counter, share.ref_counter_offset)
-        entry = self._opened.get(key)
-        if entry is None:
-            entry = self._opened[key] = [self._ops.open(share, device), seq, staged]
-        entry[1] = seq
-        return entry[0]
+        memory = self._opened.get(key)
+        if memory is None:
+            memory = self._opened[key] = self._ops.open(share, device)
+        return memory
 
-    def _close_stale(self, offer: Offer) -> list:
-        """After a lent message: take out the lent allocations it did not use (the
-        sender's freed memory is then its own again); returns them, for the caller to
-        drop without the lock (closing one waits for this process's stream)."""
-        if offer.staged:
+    def _take_out_retired(self, offer: Offer) -> list:
+        """Take out what this end opened of the allocations the sender freed (its
+        memory is then its own again); returns them, for the caller to drop without the
+        lock (closing one waits for this process's stream)."""
+        if not offer.retired:
             return []
-        seq = offer.seq
-        stale = [k for k, (_, last, staged) in self._opened.items() if last < seq and not staged]
-        return [self._opened.pop(key) for key in stale]
+        gone = {(bytes(c), int(o)) for c, o in offer.retired}
+        keys = [k for k in self._opened if (k[3], k[4]) in gone]
+        return [self._opened.pop(key) for key in keys]
 
     def accept(
         self, offer: bytes, sizes: Sequence[int], into: Sequence[torch.Tensor] | None,
@@ -632,6 +644,7 @@ class CudaIpcTransport(OneSidedTransport):
     ) -> list[torch.Tensor]:
         ops = self._ops
         got = decode_offer(offer, self._peer)
+        closing: list = []  # what the sender freed: closed at the end, without the lock
         with self._recv_lock:
             self._check_usable("cuda_ipc recv")
             if not got.pieces:  # an offer of empty tensors only: no number, no ack
@@ -647,6 +660,7 @@ class CudaIpcTransport(OneSidedTransport):
                 raise self._failed
             self._expected += 1
             self._last_recv = time.monotonic()
+            closing = self._take_out_retired(got)
             refusal = check_pieces(got, sizes)
             local = ops.local_gpus().get(got.gpu)
             if not refusal and local is None:
@@ -662,8 +676,7 @@ class CudaIpcTransport(OneSidedTransport):
                 self._ack(got.seq, f"the receiver could not read the sender's GPU memory: {exc}")
                 raise CommError(f"{what}: reading the sender's GPU memory failed: {exc}") from exc
             self._ack(got.seq, "")
-            stale = self._close_stale(got)
-        del stale  # closed here, without the lock
+        closing.clear()
         return buffers
 
     def current_order(self, device: torch.device | None) -> object:
@@ -680,18 +693,21 @@ class CudaIpcTransport(OneSidedTransport):
         """Turn the received ``offer`` down (the receiver cannot take it: ``reason``),
         telling the sender, whose send then raises that reason."""
         got = decode_offer(offer, self._peer)
+        closing: list = []
         with self._recv_lock:
             self._check_usable("cuda_ipc recv")
             if got.pieces and got.seq == self._expected:
                 self._expected += 1
+                closing = self._take_out_retired(got)
                 self._ack(got.seq, reason)
+        closing.clear()  # closed without the lock
 
     def _copy_out(
         self, offer: Offer, src_device: torch.device, into: Sequence[torch.Tensor] | None,
         device: torch.device | None, order: object,
     ) -> list[torch.Tensor]:
         ops = self._ops
-        memory = [self._open(s, src_device, offer.seq, offer.staged) for s in offer.shares]
+        memory = [self._open(s, src_device) for s in offer.shares]
         srcs = [memory[i][o : o + n] for i, o, n in offer.pieces]
         stream = self._recv_stream
         # The buffers are free to write once the caller's work queued so far is done. A
