@@ -3,7 +3,7 @@ buckets, each receiver takes them into its tensors, as new ones, as an iterator 
 its tensor-parallel shards; what cannot go through fails on every member at once.
 
 Real Ray actors on one node. The main group's workers start with a pool of 8 MiB
-(``launch(env_vars=...)``), so its buckets are 2 MiB and a 12 MiB state dict streams.
+(``launch(env_vars=...)``), so its buckets are 2 MiB and an 8.5 MiB state dict streams.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ FAST = 10.0
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    """A small transformer's shapes (12 MiB): 2-D weights of two dtypes, a 1-D tensor
+    """A small transformer's shapes (8.5 MiB): 2-D weights of two dtypes, a 1-D tensor
     larger than a bucket, small ones, an empty one. Each value depends on its place."""
     def pattern(shape: tuple[int, ...], dtype: torch.dtype, k: int) -> torch.Tensor:
         n = math.prod(shape)
@@ -394,7 +394,13 @@ def test_receivers_killed_or_stopped_mid_stream(cluster):
     a receiver of a `send` killed fails its sender at once; a receiver of a broadcast
     killed fails the source for it alone (the other receiver gets every bucket); one
     stopped, holding its buckets, makes the source and the receiver still waiting fail
-    by the source's timeout, naming it."""
+    by the source's timeout, naming it.
+
+    The dict is ``layers``: each bucket completes tensors, so a victim's iterator holds
+    the next bucket and the one after (the producer's hand-over waits for it), and the
+    rest cannot go through whenever the victim is killed or stopped. (A bucket that
+    completes no tensor, inside one larger than a bucket, is read on without a hand-over:
+    with such a dict the victim could take in every bucket before the signal.)"""
     import signal
 
     name = "ws_faults"
@@ -404,20 +410,21 @@ def test_receivers_killed_or_stopped_mid_stream(cluster):
     src = (name, 0)
     try:
         # send: rank 3 is killed.
-        sent = g.execute_on(0).attempt("send_to", 1, 3, group=name,
+        sent = g.execute_on(0).attempt("send_to", 1, 3, group=name, made=layers,
                                        options=CollectiveGroupOptions(timeout=60))
         assert g.execute_on(3).first_of_recv_then_hold(name, 60).wait(timeout=60) == [
-            "embed.weight"]
+            "layers.0.weight"]
         os.kill(pids[3], signal.SIGKILL)
         kind, text, seconds = sent.wait(timeout=120)[0]
         assert kind == "PeerLostError" and seconds < FAST, (kind, text, seconds)
 
         # broadcast: rank 2 is killed, rank 1 gets it all.
         members = [(name, [0, 1, 2])]
-        source = g.execute_on(0).attempt("source", 2, members=members, src=src)
-        other = g.execute_on(1).attempt("take", 2, "into", members=members, src=src)
+        source = g.execute_on(0).attempt("source", 2, members=members, src=src, made=layers)
+        other = g.execute_on(1).attempt("take", 2, "into", members=members, src=src,
+                                        made=layers)
         assert g.execute_on(2).first_then_hold(members, src, 60).wait(timeout=60) == [
-            "embed.weight"]
+            "layers.0.weight"]
         os.kill(pids[2], signal.SIGKILL)
         kind, text, seconds = source.wait(timeout=120)[0]
         assert kind == "PeerLostError" and f"{name}:2" in text, text
@@ -425,11 +432,12 @@ def test_receivers_killed_or_stopped_mid_stream(cluster):
 
         # broadcast: rank 4 is stopped; the source's timeout is 4 s a bucket.
         members = [(name, [0, 1, 4])]
-        source = g.execute_on(0).attempt("source", 3, members=members, src=src,
+        source = g.execute_on(0).attempt("source", 3, members=members, src=src, made=layers,
                                          options=CollectiveGroupOptions(timeout=4.0))
-        other = g.execute_on(1).attempt("take", 3, "into", members=members, src=src)
+        other = g.execute_on(1).attempt("take", 3, "into", members=members, src=src,
+                                        made=layers)
         assert g.execute_on(4).first_then_hold(members, src, 60).wait(timeout=60) == [
-            "embed.weight"]
+            "layers.0.weight"]
         os.kill(pids[4], signal.SIGSTOP)
         kind, text, seconds = source.wait(timeout=120)[0]
         assert kind == "CommTimeoutError" and f"{name}:4 still held" in text, text
