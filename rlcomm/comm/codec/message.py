@@ -31,9 +31,20 @@ BYTES_MIN = 1
 
 def _bytes_view(data: bytes) -> torch.Tensor:
     """A zero-copy uint8 view of ``data`` (read-only memory: a transport only reads it)."""
+    global _FROMBUFFER_WARNED
+    if _FROMBUFFER_WARNED and not torch.is_warn_always_enabled():
+        return torch.frombuffer(data, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable"
-        return torch.frombuffer(data, dtype=torch.uint8)
+        view = torch.frombuffer(data, dtype=torch.uint8)
+    _FROMBUFFER_WARNED = True
+    return view
+
+
+#: torch warns once per process about a view of read-only memory (unless warnings are
+#: set to always); once that warning was silenced here, later views skip the
+#: ``catch_warnings`` (3 µs of a 4 B message's send).
+_FROMBUFFER_WARNED = False
 
 
 def encode(obj: Any, piggyback: Any = None) -> tuple[MessageHeader, list[torch.Tensor]]:
