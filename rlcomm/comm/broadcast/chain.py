@@ -939,7 +939,10 @@ class ChainRun:
         if self.down is not None:
             self.down.out.clear()
         if not self.down_done:
-            self.outcome.failures.setdefault(self.downstream, reason)  # type: ignore[arg-type]
+            # A member told to stop (ABORT) closes its link: that is no failure of its own,
+            # and the upstream error already says why it has nothing.
+            if not self._abort_sent:
+                self.outcome.failures.setdefault(self.downstream, reason)  # type: ignore[arg-type]
             self.down_done = True
 
     def _lost_up(self, reason: int) -> None:
