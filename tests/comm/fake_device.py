@@ -44,7 +44,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,7 +69,7 @@ _offsets = itertools.count()
 _stream_threads = threading.local()
 
 
-def _deadline_wait(cond: threading.Condition, ready: Callable[[], bool], what: str) -> bool:
+def _deadline_wait(cond: threading.Condition, ready: Callable[[], bool]) -> bool:
     """Wait on ``cond`` (held) until ``ready()``, at most :data:`WAIT_LIMIT` seconds."""
     end = time.monotonic() + WAIT_LIMIT
     while not ready():
@@ -110,16 +110,16 @@ class FakeStream:
                 self._thread.start()
             return place
 
-    def wait_ran(self, place: int, what: str) -> bool:
+    def wait_ran(self, place: int) -> bool:
         """Wait until the stream has done its first ``place`` operations."""
         with self._cond:
-            return _deadline_wait(self._cond, lambda: self.ran >= place, what)
+            return _deadline_wait(self._cond, lambda: self.ran >= place)
 
     def synchronize(self) -> None:
         """Wait on the host for everything queued so far (``torch.cuda.Stream.synchronize``)."""
         if getattr(_stream_threads, "stream", None) is self:
             return  # its own thread: what it runs now is all that is left before this
-        if not self.wait_ran(self.queued, "synchronize"):
+        if not self.wait_ran(self.queued):
             self.device.errors.append(f"{self!r}: synchronize waited {WAIT_LIMIT}s")
 
     def _run(self) -> None:
@@ -163,7 +163,7 @@ class FakeEvent:
 
     def wait_reached(self, n: int) -> bool:
         with self._cond:
-            return _deadline_wait(self._cond, lambda: self.reached >= n, "event")
+            return _deadline_wait(self._cond, lambda: self.reached >= n)
 
 
 class _Segment:
@@ -297,7 +297,7 @@ class FakeDevice(DeviceOps):
         place = other.queued
 
         def wait() -> None:
-            if not other.wait_ran(place, "wait_stream"):
+            if not other.wait_ran(place):
                 self.errors.append(f"{stream!r} waited {WAIT_LIMIT}s on {other!r}")
 
         stream.enqueue(wait)
@@ -484,8 +484,3 @@ def held(share: Share) -> int:
     """The counter of ``share`` now (0 once released or collected)."""
     with _lock:
         return _counters.get((share.ref_counter, share.ref_counter_offset), 0)
-
-
-def sequence(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat uint8 views of ``tensors`` (what the transports move)."""
-    return [t.reshape(-1).view(torch.uint8) for t in tensors]

@@ -79,6 +79,9 @@ def node(monkeypatch):
     for sink in sinks.values():
         sink.close()
     server.close()
+    for dev in devices:  # every queued device operation ran, none past its deadline
+        dev.synchronize_all()
+        assert not dev.errors, dev.errors
 
 
 _member = threading.local()

@@ -159,6 +159,14 @@ def ipc(stores, small_slots):
     yield ends[0], ends[1], devs
     for end in ends.values():
         end.close()
+    _no_device_errors(devs)
+
+
+def _no_device_errors(devs: list[FakeDevice]) -> None:
+    """Every queued operation ran, none past its deadline or raising."""
+    for dev in devs:
+        dev.synchronize_all()
+        assert not dev.errors, dev.errors
 
 
 def _send(end, tensors, deadline=None, on_wait=None):
@@ -465,7 +473,8 @@ def linked(conns, small_slots):
     make(0, a)
     t.join(timeout=10)
     a._cuda, b._cuda = made[0], made[1]
-    return a, b, devs
+    yield a, b, devs
+    _no_device_errors(devs)
 
 
 def _device_frame(tensors: list[torch.Tensor]) -> bytes:
