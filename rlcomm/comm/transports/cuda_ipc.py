@@ -634,7 +634,7 @@ class CudaIpcTransport(OneSidedTransport):
         lock (closing one waits for this process's stream)."""
         if not offer.retired:
             return []
-        gone = {(bytes(c), int(o)) for c, o in offer.retired}
+        gone = set(offer.retired)  # (counter, offset) pairs, as msgspec decodes them
         keys = [k for k in self._opened if (k[3], k[4]) in gone]
         return [self._opened.pop(key) for key in keys]
 
