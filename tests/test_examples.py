@@ -1,4 +1,8 @@
-"""The examples, run as a user would (their own Ray), in their quick modes."""
+"""The examples, run as a user would on a cluster (``RAY_ADDRESS`` set), in their quick
+modes. They attach to this session's Ray, so Ray starts once for all of them, not once
+per example (about 6 s each); ``scripts/check_wheel`` runs ``quickstart.py`` on a Ray of
+its own, as a user's first run does.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ import subprocess
 import sys
 
 import pytest
+import ray
+
+from tests.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,12 +33,23 @@ def alarming_lines(text: str) -> list[str]:
     return [line for line in lines if _ALARMING.search(re.sub(r"\x1b\[[0-9;]*m", "", line))]
 
 
-def run_example(*args: str, timeout: float = 240) -> str:
-    """Run an example as a user would; its stdout. Fails if it exits non-zero or if a
-    normal run prints anything that looks like a failure (WARNING, ERROR, a traceback)."""
-    # "local": a Ray of its own, not one that another process started with `ray start`
-    # on this machine (Ray attaches to the latest such one when no address is given).
-    env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS="local")
+def _named_actors() -> set[tuple[str, str]]:
+    return {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)}
+
+
+@pytest.fixture(scope="module")
+def ray_address(ray_local) -> str:
+    """The session's Ray, as the address an example attaches to."""
+    return ray.get_runtime_context().gcs_address
+
+
+def run_example(address: str, *args: str, timeout: float = 240) -> str:
+    """Run an example as a user would, attached to the Ray at ``address``; its stdout.
+    Fails if it exits non-zero or if a normal run prints anything that looks like a
+    failure (WARNING, ERROR, a traceback). Returns once the example's named actors are
+    gone, so the next one starts on a Ray as free as this one found it."""
+    before = _named_actors()
+    env = dict(os.environ, PYTHONPATH=ROOT, RAY_ADDRESS=address)
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=timeout,
@@ -39,6 +57,8 @@ def run_example(*args: str, timeout: float = 240) -> str:
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     alarming = alarming_lines(proc.stdout + "\n" + proc.stderr)
     assert not alarming, f"{args} printed lines that read like failures:\n" + "\n".join(alarming)
+    wait_for(lambda: not _named_actors() - before, f"the actors of {args[0]} gone after it",
+             timeout=60, interval=0.2)
     return proc.stdout
 
 
@@ -52,23 +72,24 @@ def test_alarming_lines_are_recognised():
 
 
 @pytest.mark.timeout(300)
-def test_hello_workers():
-    out = run_example("examples/hello_workers.py")
+def test_hello_workers(ray_address):
+    out = run_example(ray_address, "examples/hello_workers.py")
     assert "all_reduce of ones on every rank -> [4.0, 4.0, 4.0, 4.0]" in out
     assert "execute_on(0, 3).hello() -> ['hello from greeters:0', 'hello from greeters:3']" in out
     assert "replied [0.0, 2.0, 4.0, 6.0]" in out
 
 
 @pytest.mark.timeout(300)
-def test_quickstart():
-    out = run_example("examples/quickstart.py")
+def test_quickstart(ray_address):
+    out = run_example(ray_address, "examples/quickstart.py")
     assert "[8] [torch.Size([8]), torch.Size([8])]" in out
 
 
 @pytest.mark.timeout(300)
-def test_rollout_to_trainer_quick(tmp_path):
+def test_rollout_to_trainer_quick(ray_address, tmp_path):
     plot = tmp_path / "curve.png"
-    out = run_example("examples/rollout_to_trainer.py", "--quick", "--plot", str(plot))
+    out = run_example(ray_address, "examples/rollout_to_trainer.py", "--quick", "--plot",
+                      str(plot))
     updates = int(re.search(r"updates\s+(\d+)", out).group(1))
     assert updates == 5, out
     assert int(re.search(r"episodes trained on\s+(\d+)", out).group(1)) >= 5 * 16
@@ -81,8 +102,8 @@ def test_rollout_to_trainer_quick(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_asyncio_pipeline():
-    out = run_example("examples/asyncio_pipeline.py", "--items", "200")
+def test_asyncio_pipeline(ray_address):
+    out = run_example(ray_address, "examples/asyncio_pipeline.py", "--items", "200")
     assert "all items arrived exactly once" in out
     assert "event loop: uvloop" in out
     m = re.search(r"deepest queue seen: prompts (\d+), scored (\d+) \(bound (\d+)\)", out)
@@ -90,18 +111,19 @@ def test_asyncio_pipeline():
 
 
 @pytest.mark.timeout(300)
-def test_p2p_bandwidth_example():
+def test_p2p_bandwidth_example(ray_address):
     # The compiled-graph rows compile a graph per case: bench_p2p's own runs show them.
-    out = run_example("examples/p2p_bandwidth.py", "--sizes", "4,65536", "--repeats", "1",
-                      "--no-graph")
+    # One fresh pair for the cold row: each pair is two more worker processes.
+    out = run_example(ray_address, "examples/p2p_bandwidth.py", "--sizes", "4,65536",
+                      "--repeats", "1", "--cold-repeats", "1", "--no-graph")
     assert "Bandwidth, GB/s" in out and "raw gloo" in out and "send/recv" in out
     assert "First send/recv of a fresh pair" in out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_weight_sync_tp_example():
-    out = run_example("examples/weight_sync_tp.py", "--quick")
+def test_weight_sync_tp_example(ray_address):
+    out = run_example(ray_address, "examples/weight_sync_tp.py", "--quick")
     syncs = [line for line in out.splitlines() if line.startswith("sync ")]
     assert len(syncs) == 2 and all("values checked: True" in line for line in syncs), out
     # Each TP-2 rank read about half of the 53 MiB: only its shards.
@@ -109,7 +131,7 @@ def test_weight_sync_tp_example():
 
 
 @pytest.mark.timeout(600)
-def test_rollout_to_trainer_solves_cartpole(tmp_path):
-    out = run_example("examples/rollout_to_trainer.py", "--plot", str(tmp_path / "c.png"),
-                      timeout=540)
+def test_rollout_to_trainer_solves_cartpole(ray_address, tmp_path):
+    out = run_example(ray_address, "examples/rollout_to_trainer.py", "--plot",
+                      str(tmp_path / "c.png"), timeout=540)
     assert "SOLVED" in out, out[-2000:]
