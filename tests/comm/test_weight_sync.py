@@ -389,7 +389,7 @@ def test_a_64_mb_dev_shm_does_not_bound_the_shared_memory():
     assert "dev_shm=67108864 streamed=268435456 ok" in out.stdout, out.stdout + out.stderr
 
 
-def test_receivers_killed_or_stopped_mid_stream(cluster):
+def test_receivers_killed_or_stopped_mid_stream(group):
     """In the middle of a stream (each victim took its first tensor and holds the rest):
     a receiver of a `send` killed fails its sender at once; a receiver of a broadcast
     killed fails the source for it alone (the other receiver gets every bucket); one
@@ -400,12 +400,12 @@ def test_receivers_killed_or_stopped_mid_stream(cluster):
     the next bucket and the one after (the producer's hand-over waits for it), and the
     rest cannot go through whenever the victim is killed or stopped. (A bucket that
     completes no tensor, inside one larger than a bucket, is read on without a hand-over:
-    with such a dict the victim could take in every bucket before the signal.)"""
+    with such a dict the victim could take in every bucket before the signal.)
+
+    It ends the module's group (ranks 2 to 4 killed): it is the module's last test."""
     import signal
 
-    name = "ws_faults"
-    g = Syncer.create_group().launch(cluster, NodePlacementStrategy([0] * 5), name=name,
-                                     env_vars={"RLCOMM_SHM_POOL_BYTES": str(POOL)})
+    name, g = GROUP, group
     pids = {r: actor_pid(g.workers[r]) for r in (2, 3, 4)}
     src = (name, 0)
     try:
@@ -450,4 +450,3 @@ def test_receivers_killed_or_stopped_mid_stream(cluster):
             except ProcessLookupError:
                 pass
             wait_process_gone(pid)
-        g.shutdown()
