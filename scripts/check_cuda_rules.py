@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IPC = "rlcomm/comm/transports/cuda_ipc.py"
-READER = "rlcomm/comm/connection/reader.py"
+PAYLOAD = "rlcomm/comm/connection/payload.py"
 ORDERING = "tests/comm/test_cuda_ordering.py"
 PROTOCOL = "tests/comm/test_cuda_ipc.py"
 
@@ -85,8 +85,8 @@ RULES = [
     Rule("the receiving caller's stream waits for done", IPC,
          "            ops.wait_event(order, self._done)\n", "            pass\n",
          f"{ORDERING}::test_the_caller_reads_what_it_received_after_the_copy[lent]"),
-    Rule("a receive op orders its stream after a copy taken in before it", READER,
-         "                cuda.order_after(cuda.current_order(at))\n", "                pass\n",
+    Rule("a receive op orders its stream after a copy taken in before it", PAYLOAD,
+         "                ipc.order_after(ipc.current_order(at))\n", "                pass\n",
          f"{PROTOCOL}::test_a_receive_op_orders_its_stream_after_a_copy_taken_in_earlier"),
 ]
 

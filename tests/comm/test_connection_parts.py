@@ -137,7 +137,8 @@ def test_a_stalled_payload_waits_for_the_receive_op_that_takes_it(ends):
     assert msg.deferred and reader.lease is Lease.STALLED
     dst = torch.empty_like(src)
     buffers = [codec.as_bytes(dst)]
-    reader.read_deferred(msg, lambda t: reader.read_payload(t, buffers, 10), 10, "recv_tensor")
+    reader.read_deferred(msg, lambda t: reader.payloads.read_into(t, buffers, 10), 10,
+                         "recv_tensor")
     assert reader.lease is Lease.IDLE and torch.equal(dst, src)
 
 

@@ -111,10 +111,11 @@ class DeviceFanout:
             store, 0 if self.index == src else 1, max(0.01, deadline - time.monotonic()),
             self._names[peer], peer_pid=self._pids[peer], device=device,
         ))
-        if not isinstance(made, OneSidedTransport):
+        link = made.as_one_sided()
+        if link is None:
             raise ProtocolMismatchError(f"broadcast: {spec.name} cannot carry a device fan-out")
-        self._links[key] = made
-        return made
+        self._links[key] = link
+        return link
 
     def _drop(self, key: tuple[int, int], lost: bool) -> None:
         link = self._links.pop(key, None)

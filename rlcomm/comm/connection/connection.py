@@ -141,11 +141,11 @@ class Connection:
             listener.on_error(error)
         if self._on_lost is not None:
             self._on_lost(self)
-        cuda = self._cuda
-        if isinstance(cuda, OneSidedTransport):
+        ipc = None if self._cuda is None else self._cuda.as_one_sided()
+        if ipc is not None:
             # What the peer held of this end's GPU memory is released at once when it is
             # gone (its process cannot release it any more).
-            cuda.close(lost=isinstance(error, PeerLostError))
+            ipc.close(lost=isinstance(error, PeerLostError))
 
     def peer_gone(self) -> bool:
         """Whether the connection failed, or its transport sees the peer gone now (the
@@ -302,11 +302,12 @@ class Connection:
             return self._receive_stream(msg, receipt, timeout)
         payload = msg.payload
         if taking is not None:
-            return taking.whole(msg.header, self._payload(msg, None, device, timeout, "recv"))
+            return taking.whole(
+                msg.header, self.reader.payloads.take(msg, None, device, timeout, "recv"))
         if targets is None and (payload is P_INLINE or payload is P_READ):
             tensors = msg.tensors  # the common case, made already: no lookups
         else:
-            tensors = self._payload(msg, targets, device, timeout, "recv")
+            tensors = self.reader.payloads.take(msg, targets, device, timeout, "recv")
         if into is None:
             return codec.decode(msg.header, tensors)
         if msg.header.piggyback is not None:
@@ -364,29 +365,6 @@ class Connection:
                          name=f"rlcomm-stream-{self.peer}").start()
         return receipt.iterator
 
-    def _payload(
-        self, msg: Incoming, targets: list[torch.Tensor] | None, device: torch.device | None,
-        timeout: float, what: str,
-    ) -> list[torch.Tensor]:
-        """The tensors of ``msg`` taken by a receive op (into ``targets`` if given)."""
-        if msg.device:
-            return self.reader.device_payload(msg, targets, device, timeout, what)
-        if msg.payload is P_IN_STREAM:  # a send_tensor CPU payload: into its place
-            direct = targets is not None and all(
-                t.is_contiguous() and not t.is_cuda for t in targets)
-            buffers = targets if direct else [
-                codec.empty_like_meta(m, torch.device("cpu")) for m in msg.header.tensors]
-            self.reader.read_deferred(
-                msg, lambda t: self.reader.read_payload(t, buffers, timeout), timeout, what)
-            tensors = buffers
-        else:
-            tensors = msg.tensors
-        if targets is None or tensors is targets:
-            return tensors  # type: ignore[return-value]
-        for target, tensor in zip(targets, tensors, strict=True):  # type: ignore[arg-type]
-            target.copy_(tensor)
-        return targets
-
     def recv_tensor_into(self, ticket: int, tensor: torch.Tensor, timeout: float) -> None:
         def handle(msg: Incoming) -> tuple[bool, Any]:
             header = msg.header
@@ -411,7 +389,7 @@ class Connection:
 
         msg = self.reader.receive(ticket, timeout, handle, "recv_tensor")
         if msg.device or msg.payload is P_IN_STREAM:
-            self._payload(msg, [tensor], None, timeout, "recv_tensor")
+            self.reader.payloads.take(msg, [tensor], None, timeout, "recv_tensor")
         else:
             framing.copy_inline_into(tensor, msg.inline)
 

@@ -16,7 +16,8 @@ Once a frame has been read, the rest of its message must come within a deadline 
 waiting op's, or :func:`default_timeout` for the driver): a sender stalled mid-message
 fails the connection. CPU payloads are read eagerly into fresh tensors; a ``send_tensor``
 CPU payload, or a CUDA payload that follows its frame, *stalls* the stream until the
-receive op that takes its message reads it. A *listened* reader hands every message to
+receive op that takes its message reads it (taking a payload, on every path, is
+:mod:`.payload`'s). A *listened* reader hands every message to
 a callback instead (:mod:`.listening`); a thread waiting for a reply reads itself with
 :meth:`Reader.pump`. The lock is held only around a transition, the wake-ups it asks for
 (notifies and non-blocking pipe writes) and a served message's ``handle``, never over a
@@ -34,18 +35,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-import torch
-
-from rlcomm.comm import codec, framing
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import (
-    P_IN_STREAM,
-    P_OFFERED,
-    P_TAKEN,
-    Incoming,
-    read_message,
-)
+from rlcomm.comm.connection.incoming import P_OFFERED, Incoming, read_message
 from rlcomm.comm.connection.listening import Listener
+from rlcomm.comm.connection.payload import CudaTransportOf, Payloads
 from rlcomm.comm.connection.stream import (
     LINGER,
     Action,
@@ -54,28 +47,14 @@ from rlcomm.comm.connection.stream import (
     StreamState,
 )
 from rlcomm.comm.options import default_timeout
-from rlcomm.comm.transports.base import (
-    OneSidedTransport,
-    PollableTransport,
-    Transport,
-    is_pollable,
-)
-from rlcomm.errors import CommError, CommTimeoutError, PeerLostError, ProtocolMismatchError
+from rlcomm.comm.transports.base import PollableTransport, Transport, is_pollable
+from rlcomm.errors import CommError, CommTimeoutError, PeerLostError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LINGER", "Lease", "Reader", "drain"]
 
 T = TypeVar("T")
-
-
-def _fill(targets: list[torch.Tensor] | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` copied into ``targets`` (returned then), or ``tensors`` when none."""
-    if targets is None:
-        return tensors
-    for target, tensor in zip(targets, tensors, strict=True):
-        target.copy_(tensor)
-    return targets
 
 
 def drain(fd: int) -> None:
@@ -100,7 +79,8 @@ class Reader:
         peer: the peer's address, for messages.
         fail: fails the connection (the reader's :meth:`set_error` is part of it).
         ready: waits (up to its argument, seconds) for the connected transport.
-        cuda_transport: the transport of CUDA payloads for a device (made on first use).
+        cuda_transport: the transport of CUDA payloads for a device (made on first use;
+            see :mod:`.payload`).
     """
 
     def __init__(
@@ -108,12 +88,13 @@ class Reader:
         peer: str,
         fail: Callable[[CommError], None],
         ready: Callable[[float], Transport],
-        cuda_transport: Callable[[torch.device | None, float], Any],
+        cuda_transport: CudaTransportOf,
     ):
         self.peer = peer
         self.fail = fail
         self._ready = ready
-        self._cuda_transport = cuda_transport
+        #: Takes the payloads of this connection's messages (see :mod:`.payload`).
+        self.payloads = Payloads(self, cuda_transport)
         # Held with ``with self._lock`` (a C-level enter, cheaper than the condition's
         # on every message); both conditions wait and notify on it.
         self._lock = lock = threading.RLock()
@@ -232,16 +213,13 @@ class Reader:
             rest = None if deadline is None else deadline - time.monotonic()
             msg = read_message(transport, self.peer, rest)
             if msg.payload is P_OFFERED:
-                cuda = self._cuda_transport(None, 0.0)
-                if isinstance(cuda, OneSidedTransport) and cuda.copies_at_once(msg.offer):
-                    # A staged payload: copied out now, as a CPU payload is read now, so
-                    # that the sender's slot comes back without this worker's recv.
-                    tensors = self._take_in(msg, cuda)
-                    msg.taken(tensors)  # not queued yet: the message is this read's
-                    msg.nbytes += sum(t.numel() * t.element_size() for t in tensors)
+                # A staged payload is copied out now, as a CPU payload is read now, so
+                # that the sender's slot comes back without this worker's recv (the
+                # message is not queued yet: it is this read's).
+                self.payloads.take_in_at_once(msg)
             listener = self._state.listener
             if listener is not None:
-                self._complete(msg, transport)
+                self.payloads.listened(msg, transport)
                 listener.deliver(self.peer, msg)
                 return None
             return msg
@@ -251,91 +229,6 @@ class Reader:
             logger.exception("receiving from %s failed", self.peer)
             self.fail(PeerLostError(f"receiving from {self.peer} failed: {exc!r}"))
         return None
-
-    def _complete(self, msg: Incoming, transport: Transport) -> None:
-        """Read a listened message's payload now (this thread holds the stream): on CPU,
-        or this thread's CUDA device."""
-        if msg.device:
-            msg.tensors = self.device_payload(
-                msg, None, None, default_timeout(), "listen", transport=transport)
-        elif msg.payload is P_IN_STREAM:
-            msg.tensors = [codec.empty_like_meta(m) for m in msg.header.tensors]
-            self.read_payload(transport, msg.tensors, default_timeout())
-
-    def read_payload(self, transport: Transport, buffers: list[torch.Tensor], timeout: float) -> None:
-        """Read a deferred payload (the holder); a failure fails the connection."""
-        try:
-            if buffers and buffers[0].is_cuda:
-                self._cuda_transport(buffers[0].device, timeout).recv_into(buffers, timeout)
-            else:
-                # The payload follows its frame: it must come within the op's timeout.
-                transport.recv_into([codec.as_bytes(b) for b in buffers if b.numel()], timeout)
-        except CommError as exc:
-            self.fail(exc)
-            raise
-
-    def _read_offer(self, transport: Transport, timeout: float) -> bytes:
-        """Read the offer that follows a deferred device message (the holder)."""
-        try:
-            return transport.recv_frame(timeout)
-        except CommError as exc:
-            self.fail(exc)
-            raise
-
-    def device_payload(
-        self, msg: Incoming, targets: list[torch.Tensor] | None, device: torch.device | None,
-        timeout: float, what: str, transport: Transport | None = None,
-    ) -> list[torch.Tensor]:
-        """The CUDA tensors of ``msg``, taken by this receive op: copied out of the
-        sender's offer (in the frame, or, for the first CUDA message of the pair, in the
-        frame that follows it), or read over NCCL. Into ``targets`` when given (returned
-        then), else new tensors on ``device`` (``None``: this thread's current device).
-        ``transport``: this thread holds the stream already (a listener's dispatch).
-
-        Raises:
-            ProtocolMismatchError: the payload does not fit, or came over the wrong path.
-            CommTimeoutError, PeerLostError: from the transports.
-        """
-        header = msg.header
-        if msg.payload is P_TAKEN:  # copied out already: order this stream after it
-            cuda = self._cuda_transport(None, timeout)
-            if isinstance(cuda, OneSidedTransport):
-                at = targets[0].device if targets and targets[0].is_cuda else (
-                    msg.tensors[0].device if msg.tensors else device)
-                cuda.order_after(cuda.current_order(at))
-            return _fill(targets, msg.tensors)
-        if targets and targets[0].is_cuda:
-            device = targets[0].device
-        direct = targets is not None and all(t.is_cuda and t.is_contiguous() for t in targets)
-        cuda = self._cuda_transport(None, timeout) or self._cuda_transport(
-            device or torch.device("cuda", torch.cuda.current_device()), timeout)
-        offer = msg.offer
-        if msg.payload is P_IN_STREAM:  # the payload (NCCL) or its offer follows
-            if not isinstance(cuda, OneSidedTransport):
-                device = device or torch.device("cuda", torch.cuda.current_device())
-                buffers = targets if direct else [codec.empty_like_meta(m, device) for m in header.tensors]
-
-                def read_stream(transport: Transport) -> list[torch.Tensor]:
-                    self.read_payload(transport, buffers, timeout)  # type: ignore[arg-type]
-                    return buffers  # type: ignore[return-value]
-
-                got = read_stream(transport) if transport is not None else (
-                    self.read_deferred(msg, read_stream, timeout, what))
-                return got if direct else _fill(targets, got)
-            offer = self._read_offer(transport, timeout) if transport is not None else (
-                self.read_deferred(msg, lambda t: self._read_offer(t, timeout), timeout, what))
-        if not isinstance(cuda, OneSidedTransport):
-            raise ProtocolMismatchError(
-                f"{what} from {self.peer}: a CUDA offer came on a connection whose CUDA "
-                f"payloads go over {cuda.name}; the ends disagree"
-            )
-        sizes = [m.nbytes for m in header.tensors]
-        buffers = cuda.accept(offer, sizes, targets if direct else None, device,
-                              cuda.current_order(device))
-        if direct:
-            return targets  # type: ignore[return-value]
-        device = buffers[0].device if buffers else device
-        return _fill(targets, framing.tensors_from_payload(header, buffers, device))
 
     def _claim_trailing_offer(self) -> None:
         """The pair's first CUDA message stalls the stream, its offer in the frame right
@@ -348,7 +241,7 @@ class Reader:
         transport = state.transport
         if not (msg.deferred and msg.device) or transport is None:
             return
-        if not isinstance(self._cuda_transport(None, 0.0), OneSidedTransport):
+        if self.payloads.offers_by_ipc() is None:
             return
         try:
             if not transport.poll(0):
@@ -379,24 +272,15 @@ class Reader:
             for msg in pending:
                 if inbox.full or state.error is not None:
                     return
-                cuda = self._cuda_transport(None, 0.0)  # made: the peer offered over it
-                if not isinstance(cuda, OneSidedTransport):
+                ipc = self.payloads.offers_by_ipc()  # made: the peer offered over it
+                if ipc is None:
                     return
                 try:
-                    tensors = self._take_in(msg, cuda)
+                    tensors = self.payloads.take_in(msg, ipc)
                 except CommError:
                     logger.debug("taking in an offer from %s failed", self.peer, exc_info=True)
                     return
-                self._execute(state.took_in(
-                    msg, tensors, sum(t.numel() * t.element_size() for t in tensors)))
-
-    def _take_in(self, msg: Incoming, cuda: OneSidedTransport) -> list[torch.Tensor]:
-        """Copy ``msg``'s offered payload into new tensors (on the GPU it lies on), which
-        are returned; its receive op orders its stream after the copy."""
-        header = msg.header
-        buffers = cuda.accept(msg.offer, [m.nbytes for m in header.tensors], None, None, None)
-        device = buffers[0].device if buffers else None
-        return framing.tensors_from_payload(header, buffers, device)
+                self._execute(state.took_in(msg, tensors, Payloads.nbytes(tensors)))
 
     # -- the driver (the receiver thread, a selector) ---------------------------------------
 

@@ -21,6 +21,7 @@ import torch
 from rlcomm.comm import codec, framing
 from rlcomm.comm.buckets import plan
 from rlcomm.comm.codec import MessageHeader
+from rlcomm.comm.connection.payload import CudaTransportOf
 from rlcomm.comm.transports.base import OneSidedTransport, Transport
 from rlcomm.errors import CommError, CommTimeoutError, ProtocolMismatchError
 
@@ -68,7 +69,7 @@ class Sender:
         ready: Callable[[float], Transport],
         reader: Failing,
         fail: Callable[[CommError], None],
-        cuda_transport: Callable[[torch.device | None, float], Transport | OneSidedTransport | None],
+        cuda_transport: CudaTransportOf,
         on_wait: Callable[[], None] | None = None,
     ):
         self.peer = peer
@@ -217,19 +218,24 @@ class Sender:
         if order is None:
             stream = torch.cuda.current_stream(device)
             order = DeviceOrder(stream, stream, False)
-        cuda = self._cuda_transport(None, timeout)
-        if isinstance(cuda, OneSidedTransport):
-            self._send_offered(transport, cuda, frame, payload, timeout, order, False)
+        made = self._cuda_transport(None, timeout)
+        ipc = None if made is None else made.as_one_sided()
+        if ipc is not None:
+            self._send_offered(transport, ipc, frame, payload, timeout, order, False)
             return
         try:
             transport.send_frame(frame, [], timeout)
-            cuda = self._cuda_transport(device, timeout)
-            if not isinstance(cuda, OneSidedTransport):
-                cuda.send(payload, timeout)  # type: ignore[union-attr]
+            cuda = self._cuda_transport(device, timeout)  # made now, for this device
+            assert cuda is not None
+            streamed = cuda.as_two_sided()
+            if streamed is not None:
+                streamed.send(payload, timeout)
                 return
         except CommError as exc:
             self._part_way(exc)
-        self._send_offered(transport, cuda, b"", payload, timeout, order, True)
+        ipc = cuda.as_one_sided()
+        assert ipc is not None  # a transport is one of the two
+        self._send_offered(transport, ipc, b"", payload, timeout, order, True)
 
     def _send_offered(
         self, transport: Transport, cuda: OneSidedTransport, frame: bytes,

@@ -145,6 +145,15 @@ class Transport(ABC):
     #: own teardown: its shutdown may wait on a dead peer).
     close_on_teardown: bool = True
 
+    def as_one_sided(self) -> OneSidedTransport | None:
+        """This transport as one that carries payloads as offers: ``None``, it is two-sided
+        (the payload follows its frame in the stream)."""
+        return None
+
+    def as_two_sided(self) -> Transport | None:
+        """This transport as one whose payloads follow their frame: itself."""
+        return self
+
     @abstractmethod
     def send(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
         """Send ``tensors`` to the peer, in order.
@@ -281,8 +290,15 @@ class OneSidedTransport(ABC):
     """
 
     name: str = "?"
-    one_sided = True
     close_on_teardown = True
+
+    def as_one_sided(self) -> OneSidedTransport | None:
+        """Itself: its payloads are offers (see :meth:`Transport.as_one_sided`)."""
+        return self
+
+    def as_two_sided(self) -> Transport | None:
+        """``None``: no payload of it follows its frame in the stream."""
+        return None
 
     @abstractmethod
     def offer(
