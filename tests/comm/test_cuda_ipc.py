@@ -398,6 +398,12 @@ class _FakeNccl:
     def __init__(self, store, rank, timeout, peer, device):
         self.rank = rank
 
+    def as_one_sided(self):  # two-sided, as NCCL: its payloads follow their frame
+        return None
+
+    def as_two_sided(self):
+        return self
+
 
 def _choose_both(conns, uuids: dict[str, str], monkeypatch) -> list:
     """Both ends make their CUDA transport at once, their GPUs faked by ``uuids``
