@@ -21,7 +21,7 @@ Which one is asked of the transport, typed; nothing here tests its class.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -31,16 +31,27 @@ from rlcomm.comm.options import default_timeout
 from rlcomm.comm.transports.base import OneSidedTransport, Transport
 from rlcomm.errors import CommError, ProtocolMismatchError
 
-if TYPE_CHECKING:
-    from rlcomm.comm.connection.reader import Reader
-
-__all__ = ["CudaTransportOf", "Payloads"]
+__all__ = ["CudaTransportOf", "Payloads", "StreamReader"]
 
 T = TypeVar("T")
 
 #: The connection's CUDA transport for a device (made at the first CUDA payload; ``None``
 #: as the device: the one made already, if any, never waiting).
 CudaTransportOf = Callable[[torch.device | None, float], Transport | OneSidedTransport | None]
+
+
+class StreamReader(Protocol):
+    """What taking a payload needs of the connection's reader."""
+
+    peer: str
+
+    def fail(self, error: CommError) -> None:
+        """Fail the connection (a half-read message breaks the stream)."""
+
+    def read_deferred(
+        self, msg: Incoming, read: Callable[[Transport], T], timeout: float, what: str
+    ) -> T:
+        """``read`` what follows ``msg`` in the stalled stream, as its claimant."""
 
 
 def _fill(targets: list[torch.Tensor] | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,7 +81,7 @@ class Payloads:
         cuda_transport: the connection's CUDA transport (see :data:`CudaTransportOf`).
     """
 
-    def __init__(self, reader: Reader, cuda_transport: CudaTransportOf):
+    def __init__(self, reader: StreamReader, cuda_transport: CudaTransportOf):
         self._reader = reader
         self._cuda_transport = cuda_transport
         self.peer = reader.peer
