@@ -236,5 +236,3 @@ class Payloads:
         buffers = ipc.accept(msg.offer, [m.nbytes for m in header.tensors], None, None, None)
         device = buffers[0].device if buffers else None
         return framing.tensors_from_payload(header, buffers, device)
-
-    nbytes = staticmethod(_nbytes)

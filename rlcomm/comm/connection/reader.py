@@ -280,7 +280,8 @@ class Reader:
                 except CommError:
                     logger.debug("taking in an offer from %s failed", self.peer, exc_info=True)
                     return
-                self._execute(state.took_in(msg, tensors, Payloads.nbytes(tensors)))
+                self._execute(state.took_in(
+                    msg, tensors, sum(t.numel() * t.element_size() for t in tensors)))
 
     # -- the driver (the receiver thread, a selector) ---------------------------------------
 
