@@ -63,10 +63,6 @@ def _fill(targets: list[torch.Tensor] | None, tensors: list[torch.Tensor]) -> li
     return targets
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _offered(cuda: Transport | OneSidedTransport | None) -> OneSidedTransport | None:
     """``cuda`` when it carries payloads as offers, else ``None``."""
     return None if cuda is None else cuda.as_one_sided()
@@ -217,17 +213,15 @@ class Payloads:
         ``None``."""
         return _offered(self._cuda_transport(None, 0.0))
 
-    def take_in_at_once(self, msg: Incoming) -> bool:
+    def take_in_at_once(self, msg: Incoming) -> None:
         """Copy ``msg``'s offered payload out now if its sender needs the memory back
-        soon (a staged payload), before any receive op asks: the message is then taken
-        (returns True); else it stays offered."""
+        soon (a staged payload), before any receive op asks: the message is then taken;
+        else it stays offered."""
         ipc = self.offers_by_ipc()
-        if ipc is None or not ipc.copies_at_once(msg.offer):
-            return False
-        tensors = self.take_in(msg, ipc)
-        msg.taken(tensors)
-        msg.nbytes += _nbytes(tensors)
-        return True
+        if ipc is not None and ipc.copies_at_once(msg.offer):
+            tensors = self.take_in(msg, ipc)
+            msg.taken(tensors)
+            msg.nbytes += sum(t.numel() * t.element_size() for t in tensors)
 
     def take_in(self, msg: Incoming, ipc: OneSidedTransport) -> list[torch.Tensor]:
         """Copy ``msg``'s offered payload into new tensors (on the GPU it lies on), which
