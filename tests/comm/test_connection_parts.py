@@ -89,6 +89,30 @@ def test_the_sender_keeps_call_order_across_queued_and_inline_sends(ends):
     sender.close()
 
 
+def test_a_one_frame_send_goes_now_or_leaves_the_queue_its_turn(ends):
+    a, b = ends
+    sender = Sender("b", lambda timeout: a, types.SimpleNamespace(error=None), lambda e: None,
+                    _no_cuda)
+    sender.transport = a
+    assert sender.send_small(framing.small_frame(b"now"), 10)
+    assert codec.decode(*_parts(read_message(b, "a"))) == b"now"
+    go = threading.Event()
+    queued = sender.submit(*codec.encode("queued"), 10, before=lambda: go.wait(10))
+    assert sender.queued == 1
+    # Behind a queued send it sends nothing: the caller goes the general way.
+    assert not sender.send_small(framing.small_frame(b"later"), 10)
+    assert not b.poll(0)
+    go.set()
+    queued.result(timeout=10)
+    assert sender.queued == 0
+    assert codec.decode(*_parts(read_message(b, "a"))) == "queued"
+    sender.close()
+
+
+def _parts(msg: Incoming):
+    return msg.header, msg.tensors
+
+
 def test_the_sender_refuses_to_send_on_a_failed_connection(ends):
     a, _ = ends
     lost = CommError("gone")

@@ -245,6 +245,9 @@ class Peer(Worker):
             self.send(torch.full((n,), i, dtype=torch.int32), group, rank, options=options)
         return True
 
+    def recv_many_any(self, group, rank, count):
+        return [self.recv(group, rank) for _ in range(count)]
+
     def recv_many(self, group, rank, count, hold=False, options=None):
         got = [self.recv(group, rank, options=options) for _ in range(count)]
         ok = all(bool((t == i).all()) for i, t in enumerate(got))
@@ -252,6 +255,24 @@ class Peer(Worker):
 
     def broadcast_from(self, obj, groups, src):
         return self.broadcast(obj, groups=groups, src=src)
+
+    def small_between_async(self, group, rank, items):
+        """Send ``items`` in order: ``("big", i)`` as an async send of a 1 MiB tensor
+        filled with ``i``, anything else with a blocking send. Returns the (op, bytes) of
+        the sends that the flight recorder shows, in order."""
+        from rlcomm.comm.flight import RECORDER
+
+        first = max((op.key for op in RECORDER.recent()), default=0)
+        works = []
+        for item in items:
+            if isinstance(item, tuple):
+                works.append(self.send(torch.full((1 << 18,), float(item[1])), group, rank,
+                                       async_op=True))
+            else:
+                self.send(item, group, rank)
+        for w in works:
+            w.wait()
+        return [(op.op, op.nbytes) for op in RECORDER.recent() if op.key > first]
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +347,35 @@ def test_broadcast_to_two_groups(peers, cluster):
     ha = a.execute_on(0).broadcast_from(big, [("p2p_a", 0), ("p2p_b", 1)], None)
     hb = b.execute_on(1).broadcast_from(None, [("p2p_a", 0), ("p2p_b", 1)], None)
     assert torch.equal(hb.wait(timeout=60)[0], big) and torch.equal(ha.wait(timeout=60)[0], big)
+
+
+def test_small_messages_keep_call_order_with_async_sends(peers):
+    """Small tensors and bytes leave as one frame each, from the calling thread, unless
+    async sends are queued ahead of them: then they wait their turn. Tensors that the
+    frame cannot carry as they are (bfloat16 goes another way in, a transposed or
+    grad-requiring tensor the general way) arrive all the same."""
+    a, b = peers
+    items = [
+        b"abcd", torch.tensor([1.5]), ("big", 1), b"after a queued send",
+        torch.ones(2, 3, dtype=torch.bfloat16), ("big", 2), ("big", 3),
+        torch.arange(6).view(2, 3).t(), torch.tensor(7), torch.ones(2, requires_grad=True),
+        b"x" * 4000, torch.ones(1000),
+    ]
+    got = b.execute_on(2).recv_many_any("p2p_a", 1, len(items))
+    recorded = a.execute_on(1).small_between_async("p2p_b", 2, items).wait(timeout=60)[0]
+    got = got.wait(timeout=60)[0]
+    for sent, came in zip(items, got, strict=True):
+        if isinstance(sent, tuple):
+            assert torch.equal(came, torch.full((1 << 18,), float(sent[1])))
+        elif isinstance(sent, bytes):
+            assert came == sent
+        else:
+            assert came.dtype == sent.dtype and torch.equal(came, sent.detach())
+            assert not came.requires_grad
+    # Each send is recorded once, with its payload's bytes.
+    assert recorded == [("send", 4), ("send", 4), ("send", 1 << 20), ("send", 19),
+                        ("send", 12), ("send", 1 << 20), ("send", 1 << 20), ("send", 48),
+                        ("send", 8), ("send", 8), ("send", 4000), ("send", 4000)]
 
 
 def test_recv_timeout_then_late_message_is_kept(peers):

@@ -96,6 +96,8 @@ class Connection:
         #: Send a message from the calling thread, after any queued async sends (see
         #: :meth:`.Sender.send_inline`).
         self.send_inline = self.sender.send_inline
+        #: Send a one-frame message from the calling thread (see :meth:`.Sender.send_small`).
+        self.send_small = self.sender.send_small
         self._consumer: concurrent.futures.ThreadPoolExecutor | None = None
         self._consumer_lock = threading.Lock()
         #: Buckets of streamed messages received (the sender counts those it sent).

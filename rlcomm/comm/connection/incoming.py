@@ -76,19 +76,21 @@ class Incoming:
 
 def classify(
     header: MessageHeader, inline: bytes, offer: bytes, peer: str, what: str = "a message",
-    then: str = "the connection is closed",
+    then: str = "the connection is closed", sizes: list[int] | None = None,
 ) -> Incoming:
     """A received message's header checked against this worker's limits and its frame,
     before anything is allocated, and where its payload is: the one place a received
     message's kind is decided (connections and broadcasts alike). ``what`` and ``then``
-    word the error: what was received, and what follows from refusing it.
+    word the error: what was received, and what follows from refusing it. ``sizes``:
+    each tensor's bytes, when the caller has them (:func:`framing.unpack_sized`).
 
     Raises:
         ProtocolMismatchError: it is larger than this worker accepts, or its frame does
             not match its header.
     """
     metas = header.tensors
-    sizes = [m.nbytes for m in metas]
+    if sizes is None:
+        sizes = [m.nbytes for m in metas]
     if header.stream:  # its buckets follow; the receive op checks what it takes of them
         try:
             header_bucket(header)
@@ -142,7 +144,8 @@ def read_message(transport: Transport, peer: str, rest: float | None = None) -> 
         CommTimeoutError, PeerLostError: from the transport.
     """
     rest = default_timeout() if rest is None else max(rest, 0.001)
-    msg = classify(*framing.unpack(transport.recv_frame(None, rest)), peer)
+    header, sizes, inline, offer = framing.unpack_sized(transport.recv_frame(None, rest))
+    msg = classify(header, inline, offer, peer, sizes=sizes)
     if msg.payload is P_READ:
         sizes = [n for n in msg.sizes if n]
         payload = transport.recv_new(sizes, rest)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -123,6 +123,29 @@ class Sender:
         finally:
             self._lock.release()
 
+    @property
+    def queued(self) -> int:
+        """Sends queued on the sender thread (a look without the lock)."""
+        return self._queued
+
+    def send_small(self, frame: bytes, timeout: float) -> bool:
+        """Send a whole message that is one frame (:func:`framing.small_frame`) from the
+        calling thread. Returns False, having sent nothing, when sends are queued ahead
+        of it: the caller then sends it the general way, which keeps call order."""
+        self._check_sendable()
+        with self._state:
+            if self._queued:
+                return False
+            self._lock.acquire()
+        try:
+            transport = self.transport
+            if transport is None or self._reader.error is not None:
+                transport = self._ready(timeout)
+            self._send_frame(transport, frame, (), timeout)
+        finally:
+            self._lock.release()
+        return True
+
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
@@ -160,8 +183,16 @@ class Sender:
         if on_cuda:
             self._send_device(transport, frame, payload, timeout, order)
             return
+        self._send_frame(transport, frame, [] if header.stream else payload, timeout)
+        if header.stream:
+            self._send_buckets(transport, header, tensors, timeout)
+
+    def _send_frame(
+        self, transport: Transport, frame: bytes, payload: Sequence[torch.Tensor],
+        timeout: float,
+    ) -> None:
         try:
-            transport.send_frame(frame, [] if header.stream else payload, timeout)
+            transport.send_frame(frame, payload, timeout)
         except CommTimeoutError as exc:
             if not transport.broken:
                 raise self._not_taken(timeout) from exc
@@ -169,8 +200,6 @@ class Sender:
         except CommError as exc:
             self._fail(exc)
             raise
-        if header.stream:
-            self._send_buckets(transport, header, tensors, timeout)
 
     def _send_buckets(
         self, transport: Transport, header: MessageHeader, tensors: list[torch.Tensor],

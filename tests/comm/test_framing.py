@@ -1,0 +1,98 @@
+"""Frames of small messages: the one-frame form that a send builds without the codec,
+and the cache of received headers, each against the general path it stands in for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcomm.comm import codec, framing
+from rlcomm.comm.connection.incoming import classify
+from rlcomm.errors import CodecError
+
+SMALL = [
+    pytest.param(b"abcd", id="bytes"),
+    pytest.param(b"x", id="one-byte"),
+    pytest.param(b"y" * framing.INLINE_BYTES, id="bytes-at-the-limit"),
+    pytest.param(torch.tensor([1.5]), id="float32"),
+    pytest.param(torch.tensor(7), id="0-d"),
+    pytest.param(torch.arange(6).view(2, 3), id="int64-2d"),
+    pytest.param(torch.ones(4, dtype=torch.bfloat16), id="bfloat16"),
+    pytest.param(torch.ones(3).to(torch.float8_e4m3fn), id="float8"),
+    pytest.param(torch.tensor([True, False]), id="bool"),
+    pytest.param(torch.arange(10.0)[3:7], id="a-view-with-an-offset"),
+    pytest.param(torch.ones(framing.INLINE_BYTES // 4), id="float32-at-the-limit"),
+]
+
+GENERAL = [
+    pytest.param(b"", id="empty-bytes"),
+    pytest.param(b"z" * (framing.INLINE_BYTES + 1), id="bytes-over-the-limit"),
+    pytest.param(torch.ones(framing.INLINE_BYTES // 4 + 1), id="tensor-over-the-limit"),
+    pytest.param(torch.ones(0), id="empty-tensor"),
+    pytest.param(torch.ones(3, 3).t(), id="non-contiguous"),
+    pytest.param(torch.ones(2, requires_grad=True), id="requires-grad"),
+    pytest.param(torch.ones(2, dtype=torch.complex64).conj(), id="lazy-conj"),
+    pytest.param(torch.ones(2).to_sparse(), id="sparse"),
+    pytest.param(torch.nn.Parameter(torch.ones(2)), id="parameter"),
+    pytest.param(bytearray(b"abcd"), id="bytearray"),
+    pytest.param({"reward": torch.ones(1)}, id="dict"),
+    pytest.param(1.0, id="float"),
+]
+
+
+@pytest.mark.parametrize("obj", SMALL)
+def test_a_small_frame_is_the_frame_the_general_path_makes(obj):
+    frame = framing.small_frame(obj)
+    header, tensors = codec.encode(obj)
+    general, payload = framing.pack(header, tensors)
+    assert frame == general and payload == []
+    assert framing.small_frame(obj) == frame  # its opening cached now, the same frame
+
+
+@pytest.mark.parametrize("obj", GENERAL)
+def test_other_messages_have_no_small_frame(obj):
+    assert framing.small_frame(obj) is None
+
+
+def test_a_small_frame_carries_the_tensor_as_it_is_now():
+    t = torch.zeros(2)
+    first = framing.small_frame(t)
+    t += 1
+    header, sizes, inline, _ = framing.unpack_sized(framing.small_frame(t))
+    assert first != framing.small_frame(t)
+    assert codec.decode(header, framing.split_inline(header, inline, sizes)).tolist() == [1, 1]
+
+
+def test_a_received_header_is_decoded_once_and_shared():
+    frame = framing.small_frame(torch.arange(4, dtype=torch.int32))
+    h1, sizes1, inline1, offer1 = framing.unpack_sized(frame)
+    h2, sizes2, inline2, _ = framing.unpack_sized(frame)
+    assert h1 is h2 and sizes1 is sizes2 and sizes1 == [16]
+    assert inline1 == inline2 and offer1 == b""
+    msg = classify(h1, inline1, offer1, "peer", sizes=sizes1)
+    assert msg.tensors[0].tolist() == [0, 1, 2, 3]
+    assert framing.unpack(frame)[0] is h1
+
+
+def test_headers_with_a_piggyback_are_decoded_each_time():
+    header, tensors = codec.encode(torch.ones(1), piggyback={"version": 3})
+    frame, _ = framing.pack(header, tensors)
+    assert framing.unpack_sized(frame)[0] is not framing.unpack_sized(frame)[0]
+
+
+def test_the_header_cache_stays_bounded(monkeypatch):
+    monkeypatch.setattr(framing, "_KNOWN", {})
+    monkeypatch.setattr(framing, "_KNOWN_MAX", 8)
+    for n in range(1, 20):
+        header, sizes, inline, _ = framing.unpack_sized(framing.small_frame(b"q" * n))
+        assert sizes == [n] and inline == b"q" * n
+    assert len(framing._KNOWN) == 8
+
+
+def test_a_bad_header_raises_every_time():
+    frame = framing.small_frame(b"abcd")
+    (hlen,) = framing._LEN.unpack_from(frame)
+    bad = frame[:4] + b"\xc1" * hlen + frame[4 + hlen:]
+    for _ in range(2):
+        with pytest.raises(CodecError):
+            framing.unpack_sized(bad)
