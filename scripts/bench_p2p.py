@@ -11,7 +11,8 @@ same run: raw ``torch.distributed`` Gloo send/recv between the same two actors, 
 actor->actor call with the tensor as argument (default pickling, and with
 ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``), Ray Direct Transport over Gloo, and a Ray
 Compiled Graph between two actors, owned by the sender (it compiles the graph and
-executes it, the receiver's method takes the payload over Ray's shared-memory channels),
+executes it, the receiver's method takes the payload over Ray's shared-memory channels;
+up to 256 MiB, as the channel),
 timed inside the sender as rlcomm's paths are. Small payloads (up to 64 KiB) also go as
 ``bytes`` objects, on rlcomm's ``send/recv`` and on the compiled graph.
 
@@ -48,8 +49,13 @@ CHANNEL_MAX = 256 << 20  # the largest channel put/get measured (see the docstri
 LATENCY_MAX = 64 << 10  # sizes up to this also get a ping-pong latency
 GLOO = CollectiveGroupOptions(transport="gloo")
 BYTES = " (bytes)"  # a path's suffix: the payload is a bytes object, not a tensor
-#: A compiled graph's executions in flight at most while streaming.
+#: A compiled graph's executions in flight at most while streaming, and the bytes they
+#: may hold together (the graph's actors keep what they received until it is read: eight
+#: 256 MiB payloads in flight beside the rest of this run ran a 24 GiB machine out of
+#: memory). The graph's rows stop at GRAPH_MAX, as the channel's do.
 GRAPH_WINDOW = 8
+GRAPH_WINDOW_BYTES = 256 << 20
+GRAPH_MAX = 256 << 20
 
 
 def human_size(n: int) -> str:
@@ -273,13 +279,15 @@ class GraphPeer:
         return True
 
     def transfer(self, kind: str, nbytes: int, iters: int) -> float:
-        """Seconds for ``iters`` executions, at most :data:`GRAPH_WINDOW` in flight."""
+        """Seconds for ``iters`` executions, at most :data:`GRAPH_WINDOW` (and
+        :data:`GRAPH_WINDOW_BYTES`) in flight."""
         x = _payload(kind, nbytes)
+        window = max(1, min(GRAPH_WINDOW, GRAPH_WINDOW_BYTES // max(nbytes, 1)))
         pending: collections.deque = collections.deque()
         start = time.perf_counter()
         for _ in range(iters):
             pending.append(self._graph.execute(x, False))
-            if len(pending) >= GRAPH_WINDOW:
+            if len(pending) >= window:
                 ray.get(pending.popleft())
         while pending:
             ray.get(pending.popleft())
@@ -426,7 +434,7 @@ class Bench:
         paths += graph
         small = [s for s in self.args.sizes if s <= LATENCY_MAX]
         jobs = [(p, s) for s in self.args.sizes for p in paths
-                if p != "channel put/get" or s <= CHANNEL_MAX]
+                if (p != "channel put/get" or s <= CHANNEL_MAX) and (p != GRAPH or s <= GRAPH_MAX)]
         jobs += [(p + BYTES, s) for s in small for p in ("send/recv", *graph)]
         jobs += [(f"latency:{p}", s) for s in small
                  for p in ("send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",

@@ -114,7 +114,8 @@ def caption(script: str, json_name: str, data: dict[str, Any], extra: str = "") 
 
 # -- scripts/bench_p2p.py ----------------------------------------------------------------
 
-P2P_BASELINES = ("raw gloo", "ray actor call", "ray zero-copy", "ray direct transport (gloo)")
+P2P_BASELINES = ("raw gloo", "ray actor call", "ray zero-copy", "ray direct transport (gloo)",
+                 "ray compiled graph")
 
 
 def render_p2p() -> str:
@@ -139,6 +140,19 @@ def render_p2p() -> str:
     out += "\n\n" + table(["one-way latency, µs (half a round trip)"] + [size(s) for s in lat_sizes],
                           [[p] + [num(by.get((p, "latency_us", s))) for s in lat_sizes]
                            for p in lat_paths])
+    rows = []
+    for ours, theirs in (("send/recv", "raw shm"), ("send/recv (bytes)", "raw shm"),
+                         ("send_tensor/recv_tensor", "raw shm"),
+                         ("ray compiled graph", "send/recv"),
+                         ("ray compiled graph (bytes)", "send/recv (bytes)")):
+        cells = []
+        for s in lat_sizes:
+            a, b = by.get((ours, "latency_us", s)), by.get((theirs, "latency_us", s))
+            cells.append(ratio(a / b) if a and b else "-")
+        if any(c != "-" for c in cells):
+            rows.append([f"{ours} / {theirs}"] + cells)
+    if rows:
+        out += "\n\n" + table(["one-way latency, ratio"] + [size(s) for s in lat_sizes], rows)
     cold = [r for r in recs if r["metric"] == "cold_ms"]
     if cold:
         out += (f"\n\nThe first `send/recv` between a fresh pair (the connection made on "
