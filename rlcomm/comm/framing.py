@@ -57,7 +57,6 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
 #: (then new ones are built each time).
 _OPENINGS: dict[object, bytes] = {}
 _OPENINGS_MAX = 1024
-_string_at = ctypes.string_at
 
 
 def small_frame(obj: object) -> bytes | None:
@@ -95,7 +94,7 @@ def small_frame(obj: object) -> bytes | None:
             return None
         opening = _remember((t.dtype, meta.shape), MessageHeader(Kind.TENSOR, [meta], inline=n))
     # Dense, contiguous and alive: its n bytes start at data_ptr().
-    return opening + _string_at(t.data_ptr(), n)
+    return opening + ctypes.string_at(t.data_ptr(), n)
 
 
 def _remember(key: object, header: MessageHeader) -> bytes:
