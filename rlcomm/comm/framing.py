@@ -153,16 +153,11 @@ def split_inline(
     ``sizes``: each tensor's bytes, when the caller has them already."""
     if header.kind == Kind.OBJECT or header.kind == Kind.BYTES:
         return [inline]
-    metas = header.tensors
-    if sizes is None:
-        sizes = [meta.nbytes for meta in metas]
-    if len(metas) == 1 and sizes[0] and len(inline) == sizes[0]:  # one tensor, the lot
-        shape = metas[0].shape
-        flat = torch.frombuffer(bytearray(inline), dtype=codec.dtype_of(metas[0].dtype))
-        return [flat if len(shape) == 1 else flat.reshape(shape)]
     tensors: list[torch.Tensor | bytes] = []
     offset = 0
-    for meta, n in zip(metas, sizes):
+    if sizes is None:
+        sizes = [meta.nbytes for meta in header.tensors]
+    for meta, n in zip(header.tensors, sizes):
         if n:
             flat = torch.frombuffer(
                 bytearray(inline[offset : offset + n]), dtype=codec.dtype_of(meta.dtype)
