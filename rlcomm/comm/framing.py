@@ -79,12 +79,13 @@ def small_frame(obj: object) -> bytes | None:
     if tp is not torch.Tensor:
         return None
     t: torch.Tensor = obj  # type: ignore[assignment]
-    # What prepare() would change or refuse goes the general way.
-    if (not t.is_cpu or t.requires_grad or t.layout is not torch.strided or t.is_nested
-            or not t.is_contiguous() or t.is_conj() or t.is_neg()):
+    if not t.is_cpu or t.layout is not torch.strided:
         return None
-    n = t.nbytes
+    n = t.nbytes  # first: a large tensor, most sends', goes on after two more looks
     if not 0 < n <= INLINE_BYTES:
+        return None
+    # What prepare() would change or refuse goes the general way.
+    if t.requires_grad or t.is_nested or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     opening = _OPENINGS.get((t.dtype, t.shape))
     if opening is None:
