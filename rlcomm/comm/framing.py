@@ -52,9 +52,9 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
 
 
 #: The opening (length and header) of the frames :func:`small_frame` builds, by
-#: ``(dtype, shape)`` of a tensor or by the length of a ``bytes`` object: a small message's header differs from
-#: the last one of its kind only in its payload. At most :data:`_OPENINGS_MAX` are kept
-#: (then new ones are built each time).
+#: ``(dtype, shape)`` of a tensor or by the length of a ``bytes`` object: a small
+#: message's header differs from the last one of its kind only in its payload. At most
+#: :data:`_OPENINGS_MAX` are kept (then new ones are built each time).
 _OPENINGS: dict[object, bytes] = {}
 _OPENINGS_MAX = 1024
 
