@@ -18,8 +18,10 @@ timed inside the sender as rlcomm's paths are. Small payloads (up to 64 KiB) als
 
 Bandwidth is bytes / seconds per transfer (GB/s = 1e9 B/s), latency is half the round
 trip of a ping-pong; each figure is the median of ``--repeats`` timed batches, with min
-and max. Times are taken inside the workers, except for the Ray baselines, which time
-the actor calls the way a Ray user would make them.
+and max. The latency batches of one size go in rounds, a batch of each path in turn
+(the compiled graph's two in rounds of their own, while its graph lives), so that the
+machine's moods fall on every path alike. Times are taken inside the workers, except
+for the Ray baselines, which time the actor calls the way a Ray user would make them.
 
     python scripts/bench_p2p.py --json bench_p2p.json --plot bench_p2p.png
 """
@@ -385,12 +387,43 @@ class Bench:
         })
 
     def time_pair(self, method: str, path: str, nbytes: int, iters: int) -> list[float]:
-        pair = self.gloo_pair if path == "send/recv (gloo)" else self.pair
-        getattr(pair, method)(path, nbytes, max(1, iters // 4)).wait(timeout=600)  # warm-up
-        out = []
+        self.time_batch(method, path, nbytes, max(1, iters // 4))  # warm-up
+        return [self.time_batch(method, path, nbytes, iters) / iters
+                for _ in range(self.args.repeats)]
+
+    def time_rounds(self, paths: list[str], nbytes: int, iters: int) -> dict[str, list[float]]:
+        """Round trips (seconds) of each pair path's ping-pong, taken in rounds: one
+        batch of each path per round, in turn, so that what the machine does meanwhile
+        falls on every path alike (a path timed after another would get its own share)."""
+        for p in paths:  # warm-up
+            self.time_batch("ping_pong", p, nbytes, max(1, iters // 4))
+        out: dict[str, list[float]] = {p: [] for p in paths}
         for _ in range(self.args.repeats):
-            out.append(getattr(pair, method)(path, nbytes, iters).wait(timeout=600)[0] / iters)
+            for p in paths:
+                out[p].append(self.time_batch("ping_pong", p, nbytes, iters) / iters)
         return out
+
+    def time_batch(self, method: str, path: str, nbytes: int, iters: int) -> float:
+        pair = self.gloo_pair if path == "send/recv (gloo)" else self.pair
+        return getattr(pair, method)(path, nbytes, iters).wait(timeout=600)[0]
+
+    def time_graph_rounds(self, nbytes: int, iters: int) -> dict[str, list[float]]:
+        """The compiled graph's round trips, tensor and ``bytes`` in turn as
+        :meth:`time_rounds` takes the pair's, on one graph compiled for them alone."""
+        a, b = self.graph_pair
+        kinds = {GRAPH: "tensor", GRAPH + BYTES: "bytes"}
+        ray.get(a.compile.remote(b), timeout=120)
+        try:
+            for kind in kinds.values():
+                ray.get(a.ping_pong.remote(kind, nbytes, max(1, iters // 4)), timeout=600)
+            out: dict[str, list[float]] = {p: [] for p in kinds}
+            for _ in range(self.args.repeats):
+                for p, kind in kinds.items():
+                    out[p].append(
+                        ray.get(a.ping_pong.remote(kind, nbytes, iters), timeout=600) / iters)
+            return out
+        finally:
+            ray.get(a.teardown.remote(), timeout=120)
 
     def time_ray(self, label: str, nbytes: int, iters: int) -> list[float]:
         a, b = self.ray_pairs[label]
@@ -436,10 +469,9 @@ class Bench:
         jobs = [(p, s) for s in self.args.sizes for p in paths
                 if (p != "channel put/get" or s <= CHANNEL_MAX) and (p != GRAPH or s <= GRAPH_MAX)]
         jobs += [(p + BYTES, s) for s in small for p in ("send/recv", *graph)]
-        jobs += [(f"latency:{p}", s) for s in small
-                 for p in ("send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",
-                           *raw_shm, *graph, "send/recv" + BYTES,
-                           *(g + BYTES for g in graph))]
+        jobs += [(f"latency:{s}", s) for s in small]
+        latency_paths = ["send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",
+                         *raw_shm, "send/recv" + BYTES]
         for path, nbytes in tqdm(jobs, desc="bench_p2p", unit="case", file=sys.stderr):
             big = nbytes >= (256 << 20)
             iters = _iters(nbytes, self.args.target_bytes if not path.startswith("ray") else
@@ -447,12 +479,11 @@ class Bench:
             if big and path.startswith("ray"):
                 iters = 1
             if path.startswith("latency:"):
-                p = path.split(":", 1)[1]
-                if p.startswith(GRAPH):
-                    rtt = self.time_graph("ping_pong", _kind(p), nbytes, min(500, iters))
-                else:
-                    rtt = self.time_pair("ping_pong", p, nbytes, min(500, iters))
-                self.record(p, nbytes, "latency_us", [r / 2 * 1e6 for r in rtt])
+                rounds = self.time_rounds(latency_paths, nbytes, min(500, iters))
+                if graph:
+                    rounds.update(self.time_graph_rounds(nbytes, min(500, iters)))
+                for p, rtt in rounds.items():
+                    self.record(p, nbytes, "latency_us", [r / 2 * 1e6 for r in rtt])
                 continue
             if path.startswith(GRAPH):
                 secs = self.time_graph("transfer", _kind(path), nbytes, min(iters, 2000))

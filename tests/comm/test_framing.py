@@ -96,3 +96,91 @@ def test_a_bad_header_raises_every_time():
     for _ in range(2):
         with pytest.raises(CodecError):
             framing.unpack_sized(bad)
+
+
+def _received(obj):
+    """``obj`` sent as one frame and taken in: the object a receive returns."""
+    header, sizes, inline, offer = framing.unpack_sized(framing.small_frame(obj))
+    return codec.decode(header, classify(header, inline, offer, "peer", sizes=sizes).tensors)
+
+
+@pytest.fixture
+def no_spares(monkeypatch):
+    monkeypatch.setattr(framing, "_SPARES", {})
+    monkeypatch.setattr(framing, "_SPARE_FOR", [None])
+
+
+def test_the_next_tensor_of_a_known_header_is_made_ahead(no_spares):
+    first = _received(torch.tensor([1.0, 2.0]))
+    framing.spare_ahead()
+    (made,) = framing._SPARES.values()
+    spare = made[1]
+    second = _received(torch.tensor([3.0, 4.0]))
+    assert second is spare and second.tolist() == [3.0, 4.0] and not framing._SPARES
+    framing.spare_ahead()
+    third = _received(torch.tensor([5.0, 6.0]))
+    # Each message has a tensor of its own: a later one never writes an earlier one's.
+    assert third is not second and third.data_ptr() != second.data_ptr()
+    assert (first.tolist(), second.tolist(), third.tolist()) == ([1, 2], [3, 4], [5, 6])
+    second += 1  # the receiver's to change, like any received tensor
+    assert _received(torch.tensor([7.0, 8.0])).tolist() == [7, 8]
+
+
+def test_a_spare_of_one_shape_is_not_taken_by_another(no_spares):
+    _received(torch.arange(6, dtype=torch.int32).view(2, 3))
+    framing.spare_ahead()
+    assert len(framing._SPARES) == 1
+    got = _received(torch.arange(6, dtype=torch.int32))  # the same bytes, another shape
+    assert got.shape == (6,) and len(framing._SPARES) == 1
+    framing.spare_ahead()  # now the 1-d one's too, the 2-d one still there
+    assert len(framing._SPARES) == 2
+    got = _received(torch.arange(6, dtype=torch.int32).view(2, 3) * 2)
+    assert got.shape == (2, 3) and got.flatten().tolist() == [0, 2, 4, 6, 8, 10]
+
+
+def test_no_spare_is_made_for_a_header_decoded_each_time(no_spares):
+    header, tensors = codec.encode(torch.ones(2), piggyback={"version": 3})
+    frame, _ = framing.pack(header, tensors)
+    for _ in range(2):
+        header, sizes, inline, offer = framing.unpack_sized(frame)
+        tensor, piggyback = codec.decode(
+            header, classify(header, inline, offer, "peer", sizes=sizes).tensors)
+        assert tensor.tolist() == [1, 1] and piggyback == {"version": 3}
+        framing.spare_ahead()
+        assert framing._SPARES == {}
+
+
+def test_the_spares_stay_bounded(no_spares, monkeypatch):
+    monkeypatch.setattr(framing, "_SPARES_MAX", 3)
+    for n in range(1, 10):
+        _received(torch.ones(n))
+        framing.spare_ahead()
+        assert 1 <= len(framing._SPARES) <= 3
+
+
+def test_threads_taking_in_at_once_never_share_a_spare(no_spares):
+    import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
+    got: dict[int, list[torch.Tensor]] = {k: [] for k in range(4)}
+
+    def take_in(k: int) -> None:
+        for i in range(300):
+            framing.spare_ahead()
+            got[k].append(_received(torch.tensor([float(k), float(i)])))
+
+    threads = [threading.Thread(target=take_in, args=(k,)) for k in got]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(old)
+    assert not any(t.is_alive() for t in threads)
+    for k, tensors in got.items():
+        assert [t.tolist() for t in tensors] == [[k, i] for i in range(300)]
+    ptrs = [t.data_ptr() for tensors in got.values() for t in tensors]
+    assert len(set(ptrs)) == len(ptrs)
