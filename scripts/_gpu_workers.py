@@ -21,32 +21,70 @@ from _handoff import HandOff
 from rlcomm import Worker
 
 
-def make_params(total: int, count: int) -> dict[str, torch.Tensor]:
-    """``count`` bf16 tensors of ``total`` bytes in all, on this process's GPU."""
+def make_params(total: int, count: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+    """``count`` bf16 tensors of ``total`` bytes in all, on this process's GPU (or CPU)."""
     numel = total // count // 2
-    return {f"layer{i}.weight": torch.ones(numel, dtype=torch.bfloat16, device="cuda")
+    return {f"layer{i}.weight": torch.ones(numel, dtype=torch.bfloat16, device=device)
             for i in range(count)}
 
 
 class SyncWorker(Worker):
-    """The trainer or one receiver of a weight sync: each holds a state dict on GPU 0."""
+    """The trainer or one receiver of a weight sync: each holds a state dict on GPU 0
+    (``device="cpu"``: in host memory, to try the case's code without a GPU; memory
+    figures are then ``None``)."""
 
-    def __init__(self, total: int, count: int):
+    def __init__(self, total: int, count: int, device: str = "cuda"):
         super().__init__()
-        torch.cuda.set_device(0)
-        self.params = make_params(total, count)
+        self.cuda = device == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(0)
+        self.params = make_params(total, count, device)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def _fill(self, value: float) -> None:
         for p in self.params.values():
             p.fill_(value)
+        self._sync()
+
+    def _peak_from_here(self) -> int | None:
+        """Start counting the peak of this process's GPU tensors; returns what they
+        hold now (``None`` on the CPU)."""
+        if not self.cuda:
+            return None
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def _peak_extra(self, start: int | None) -> int | None:
+        """Bytes of GPU tensors this process held at most, beyond ``start``."""
+        if start is None:
+            return None
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    def memory(self) -> dict[str, int | None]:
+        """This process's GPU memory now: its tensors (``allocated``), what torch's
+        allocator keeps (``reserved``), and the GPU's used bytes, every process's
+        (``device_used``). ``None`` each on the CPU."""
+        if not self.cuda:
+            return {"allocated": None, "reserved": None, "device_used": None}
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return {"allocated": torch.cuda.memory_allocated(),
+                "reserved": torch.cuda.memory_reserved(), "device_used": total - free}
 
     # -- rlcomm -------------------------------------------------------------------------
 
     def trainer_rounds(self, path: str, receivers: list[tuple[str, int]], rounds: int,
-                       members: list | None = None) -> list[float]:
-        """``rounds`` syncs to ``receivers`` by ``path``; the start time of each. A round
-        ends when every receiver said it holds the values (a small CPU message each)."""
+                       members: list | None = None) -> tuple[list[float], int | None]:
+        """``rounds`` syncs to ``receivers`` by ``path``; the start time of each, and the
+        bytes of GPU tensors this process held at most beyond its own parameters (its
+        staging, say). A round ends when every receiver said it holds the values (a small
+        CPU message each)."""
+        start = self._peak_from_here()
         starts = []
         for k in range(rounds):
             self._fill(float(k % 100))
@@ -62,12 +100,15 @@ class SyncWorker(Worker):
                     self.send(self.params, group, rank)
             for group, rank in receivers:
                 self.recv(group, rank)
-        return starts
+        return starts, self._peak_extra(start)
 
     def receiver_rounds(self, path: str, trainer: tuple[str, int], rounds: int,
-                        members: list | None = None) -> tuple[list[float], bool]:
+                        members: list | None = None) -> tuple[list[float], bool, int | None]:
         """The receiving side of :meth:`trainer_rounds`: the time each round's values
-        were in this worker's GPU memory, and whether the last ones were right."""
+        were in this worker's memory, whether the last ones were right, and the bytes of
+        GPU tensors this process held at most beyond its parameters (for ``send_fresh``,
+        the fresh tensors among them)."""
+        start = self._peak_from_here()
         ends, got = [], self.params
         for k in range(rounds):
             if path == "broadcast":
@@ -79,12 +120,12 @@ class SyncWorker(Worker):
                 got = self.recv(*trainer, into=self.params)
             else:  # send_fresh: new tensors, not loaded
                 got = self.recv(*trainer)
-            torch.cuda.synchronize()
+            self._sync()
             ends.append(time.perf_counter())
             self.send(k, *trainer)
         last = float((rounds - 1) % 100)
         ok = all(bool((t == last).all()) for t in got.values())
-        return ends, ok
+        return ends, ok, self._peak_extra(start)
 
     # -- the baseline: CUDA IPC handles through Ray (verl, SGLang) ---------------------
 
@@ -112,16 +153,19 @@ class SyncWorker(Worker):
     # -- the bound ----------------------------------------------------------------------
 
     def bound_rounds(self, copies: int, rounds: int) -> list[float]:
-        """``copies`` device copies of the state dict inside this process, per round."""
-        targets = [{k: torch.empty_like(v) for k, v in self.params.items()} for _ in range(copies)]
+        """``copies`` device copies of the state dict inside this process, per round
+        (into one target, ``copies`` times: the same bytes moved as into ``copies``
+        targets, the state dicts being far larger than the GPU's caches, in the memory
+        of one copy, so that a 16 GiB dict to 4 receivers fits beside the receivers)."""
+        target = {k: torch.empty_like(v) for k, v in self.params.items()}
         took = []
         for _ in range(rounds):
-            torch.cuda.synchronize()
+            self._sync()
             start = time.perf_counter()
-            for target in targets:
+            for _ in range(copies):
                 for name, p in self.params.items():
                     target[name].copy_(p)
-            torch.cuda.synchronize()
+            self._sync()
             took.append(time.perf_counter() - start)
         return took
 

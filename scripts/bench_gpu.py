@@ -28,12 +28,18 @@ every case the machine allows):
   baseline verl and SGLang use, ``reduce_tensor`` CUDA IPC handles passed to each
   receiver in a Ray call, rebuilt there and loaded; and the bound, N device copies of
   the state dict inside one process. Milliseconds, median of ``--repeats`` rounds after
-  two warm-up rounds, one set of workers per N.
-- *per message* (4 B and 1 MiB): rlcomm ``send/recv`` streamed (messages back to back,
-  the receiver synchronizing at the end) and as a ping-pong (each side's copy done
-  before it answers: the latency of one hand-off), beside the hand-off floor measured
-  the same two ways (two processes, buffer and events opened once, a flag in shared
-  host memory, no store); without NVIDIA MPS and, when ``nvidia-cuda-mps-control`` is
+  two warm-up rounds, one set of workers per N (``--receivers``; ``--sync-paths`` picks
+  rlcomm's paths). Each path's record holds the peak GPU memory of tensors that the
+  trainer and (the most of) a receiver held beyond their parameters while it ran.
+  ``--soak K``: then K broadcasts more to the last N, and the GPU memory they leave
+  behind in any worker (allocated, reserved, the device's used). ``--device cpu`` runs
+  this case on CPU tensors, without the handles path and the memory figures, to try
+  its code without a GPU.
+- *per message* (``--message-sizes``, 4 B and 1 MiB by default): rlcomm ``send/recv``
+  streamed (messages back to back, the receiver synchronizing at the end) and as a
+  ping-pong (each side's copy done before it answers: the latency of one hand-off),
+  beside the hand-off floor measured the same two ways (two processes, buffer and
+  events opened once, a flag in shared host memory, no store); without NVIDIA MPS and, when ``nvidia-cuda-mps-control`` is
   on the machine, under MPS (the script starts the daemon and stops it after).
 
     python scripts/bench_gpu.py --json bench_gpu.json
@@ -226,43 +232,92 @@ def _one_gpu_groups(cls: type, names: list[str], *args: Any) -> list[Any]:
 
 
 def sync_case(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The weight-sync table's records: ms per sync, by path and receivers."""
+    """The weight-sync table's records: ms per sync, by path and receivers, with the
+    peak extra GPU memory of the trainer and of the receivers; then, with ``--soak``,
+    the GPU memory that ``--soak`` more broadcasts to the last N leave behind."""
     records = []
     rounds = 2 + args.repeats
     for n in args.receivers:
         names = ["sync_trainer", *[f"sync_rollout{i}" for i in range(n)]]
-        groups = _one_gpu_groups(SyncWorker, names, args.sync_bytes, args.sync_tensors)
+        groups = _one_gpu_groups(SyncWorker, names, args.sync_bytes, args.sync_tensors,
+                                 args.device)
         trainer, receivers = groups[0], groups[1:]
         addresses = [(name, 0) for name in names[1:]]
         members = [(name, 0) for name in names]
         try:
-            for path in SYNC_PATHS:
+            for path in args.sync_paths:
                 ends = [g.receiver_rounds(path, ("sync_trainer", 0), rounds, members)
                         for g in receivers]
-                starts = trainer.trainer_rounds(path, addresses, rounds, members).wait(
-                    timeout=1800)[0]
+                starts, trainer_peak = trainer.trainer_rounds(
+                    path, addresses, rounds, members).wait(timeout=1800)[0]
                 got = [e.wait(timeout=1800)[0] for e in ends]
-                if not all(ok for _, ok in got):
+                if not all(ok for _, ok, _ in got):
                     raise RuntimeError(f"weight sync by {path}: a receiver holds wrong values")
-                took = [max(e[k] for e, _ in got) - starts[k] for k in range(rounds)]
-                records.append(_sync_record(path, n, took[2:]))
-            actors = [g.workers[0] for g in receivers]
-            took = trainer.handle_rounds(actors, rounds).wait(timeout=1800)[0]
-            records.append(_sync_record("handles through Ray", n, took[2:]))
+                took = [max(e[k] for e, _, _ in got) - starts[k] for k in range(rounds)]
+                peaks = [peak for _, _, peak in got]
+                records.append(_sync_record(
+                    path, n, args.sync_bytes, took[2:], trainer_peak,
+                    None if None in peaks else max(peaks)))
+            if args.device == "cuda":  # CUDA IPC handles: there is no CPU form of them
+                actors = [g.workers[0] for g in receivers]
+                took = trainer.handle_rounds(actors, rounds).wait(timeout=1800)[0]
+                records.append(_sync_record("handles through Ray", n, args.sync_bytes,
+                                            took[2:]))
             took = trainer.bound_rounds(n, rounds).wait(timeout=1800)[0]
-            records.append(_sync_record("bound", n, took[2:]))
+            records.append(_sync_record("bound", n, args.sync_bytes, took[2:]))
+            if args.soak and n == args.receivers[-1]:
+                records.append(_soak(args.soak, groups, addresses, members))
         finally:
             for g in groups:
                 g.shutdown()
     return records
 
 
-def _sync_record(path: str, n: int, seconds: list[float]) -> dict[str, Any]:
+def _soak(rounds: int, groups: list[Any], addresses: list, members: list) -> dict[str, Any]:
+    """``rounds`` broadcasts more, after the timed ones: the GPU memory each worker holds
+    after them beyond what it held before, the most of any worker."""
+    trainer, receivers = groups[0], groups[1:]
+    before = [g.memory().wait(timeout=60)[0] for g in groups]
+    ends = [g.receiver_rounds("broadcast", ("sync_trainer", 0), rounds, members)
+            for g in receivers]
+    trainer.trainer_rounds("broadcast", addresses, rounds, members).wait(timeout=1800)
+    if not all(ok for _, ok, _ in (e.wait(timeout=1800)[0] for e in ends)):
+        raise RuntimeError("weight sync soak: a receiver holds wrong values")
+    after = [g.memory().wait(timeout=60)[0] for g in groups]
+
+    def growth(key: str) -> float | None:
+        if before[0][key] is None:
+            return None
+        return max(a[key] - b[key] for a, b in zip(after, before)) / (1 << 20)
+
+    record = {"case": "soak", "path": "broadcast", "receivers": len(receivers),
+              "rounds": rounds, "allocated_growth_mib": growth("allocated"),
+              "reserved_growth_mib": growth("reserved"),
+              "device_used_growth_mib": growth("device_used")}
+    print(f"  soak: {rounds} broadcasts to {len(receivers)}: growth "
+          f"allocated {record['allocated_growth_mib']} MiB, reserved "
+          f"{record['reserved_growth_mib']} MiB, device {record['device_used_growth_mib']} MiB",
+          flush=True)
+    return record
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / (1 << 20)
+
+
+def _sync_record(path: str, n: int, nbytes: int, seconds: list[float],
+                 trainer_peak: int | None = None,
+                 receiver_peak: int | None = None) -> dict[str, Any]:
     ms = [s * 1e3 for s in seconds]
-    record = {"case": "sync", "path": path, "receivers": n, "ms": statistics.median(ms),
-              "min": min(ms), "max": max(ms)}
-    print(f"  sync {path:22s} N={n}: {record['ms']:9.2f} ms ({record['min']:.2f}-"
-          f"{record['max']:.2f})", flush=True)
+    record = {"case": "sync", "path": path, "receivers": n, "bytes": nbytes,
+              "ms": statistics.median(ms), "min": min(ms), "max": max(ms),
+              "trainer_peak_extra_mib": _mib(trainer_peak),
+              "receiver_peak_extra_mib": _mib(receiver_peak)}
+    memory = "" if receiver_peak is None else (
+        f"; peak extra MiB: trainer {_mib(trainer_peak):.1f}, "
+        f"a receiver {_mib(receiver_peak):.1f}")
+    print(f"  sync {path:22s} {human_size(nbytes)} N={n}: {record['ms']:9.2f} ms "
+          f"({record['min']:.2f}-{record['max']:.2f}){memory}", flush=True)
     return record
 
 
@@ -289,7 +344,7 @@ def message_case(args: argparse.Namespace) -> list[dict[str, Any]]:
             a, b = _one_gpu_groups(MessageWorker, ["msg_0", "msg_1"])
             try:
                 info = [g.gpu_info().wait(timeout=60)[0] for g in (a, b)]
-                for nbytes in (4, 1 << 20):
+                for nbytes in args.message_sizes:
                     iters = 2000 if nbytes <= 4096 else 500
                     records += _message_records(a, b, nbytes, iters, mps, info, args.repeats)
             finally:
@@ -351,15 +406,21 @@ def case_tables(records: list[dict[str, Any]]) -> str:
         ns = sorted({r["receivers"] for r in sync})
         by = {(r["path"], r["receivers"]): r for r in sync}
         lines.append("weight sync, ms (median; min-max)" + "".join(f"{'N=' + str(n):>22s}" for n in ns))
+
+        def cell(r: dict[str, Any] | None) -> str:
+            return "-" if r is None else f"{r['ms']:9.2f} ({r['min']:.1f}-{r['max']:.1f})"
+
+        def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+            return "-" if a is None or b is None else f"{a['ms'] / b['ms']:.2f}x"
+
         for path in dict.fromkeys(r["path"] for r in sync):
-            lines.append(f"{path:34s}" + "".join(
-                f"{by[(path, n)]['ms']:9.2f} ({by[(path, n)]['min']:.1f}-{by[(path, n)]['max']:.1f})"
-                .rjust(22) for n in ns))
+            lines.append(f"{path:34s}" + "".join(cell(by.get((path, n))).rjust(22) for n in ns))
         for path in ("broadcast", "send"):
             lines.append(f"{path + ' over the bound':34s}" + "".join(
-                f"{by[(path, n)]['ms'] / by[('bound', n)]['ms']:21.2f}x" for n in ns))
+                ratio(by.get((path, n)), by.get(("bound", n))).rjust(22) for n in ns))
             lines.append(f"{'handles over ' + path:34s}" + "".join(
-                f"{by[('handles through Ray', n)]['ms'] / by[(path, n)]['ms']:21.2f}x" for n in ns))
+                ratio(by.get(("handles through Ray", n)), by.get((path, n))).rjust(22)
+                for n in ns))
     msgs = [r for r in records if r["case"] == "message"]
     if msgs:
         lines.append("per message, µs (median)")
@@ -388,8 +449,18 @@ def main() -> None:
     parser.add_argument("--sync-tensors", type=int, default=64)
     parser.add_argument("--receivers", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 4])
+    parser.add_argument("--sync-paths", type=lambda s: s.split(","), default=SYNC_PATHS,
+                        help=f"the weight sync's rlcomm paths (of {','.join(SYNC_PATHS)})")
+    parser.add_argument("--message-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[4, 1 << 20], help="the per-message case's sizes, bytes")
+    parser.add_argument("--soak", type=int, default=0,
+                        help="after the sync case, this many broadcasts more to the last "
+                             "N, and the GPU memory they leave behind")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args()
+    unknown = set(args.sync_paths) - set(SYNC_PATHS)
+    if unknown:
+        parser.error(f"--sync-paths: no such path {sorted(unknown)} (of {SYNC_PATHS})")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here; --device cpu tries the script on CPU tensors")
     if args.gpus is None:
@@ -401,19 +472,23 @@ def main() -> None:
         bench.run()
         print(bench.table())
         result.update(transport=bench.transport, records=bench.records)
-    if args.case in ("sync", "message", "all") and one_gpu:
+    # The sync case runs on CPU tensors too (to try its code); the message case's floor
+    # is CUDA's alone.
+    sync = args.case == "sync" or (args.case == "all" and one_gpu)
+    message = args.case in ("message", "all") and one_gpu
+    if args.case == "message" and not one_gpu:
+        parser.error("--case message needs a CUDA device")
+    if sync or message:
         if not ray.is_initialized():
             Cluster(num_nodes=1, ray_init_kwargs={"include_dashboard": False,
                                                   "logging_level": "ERROR"})
         extra = []
-        if args.case in ("sync", "all"):
+        if sync:
             extra += sync_case(args)
-        if args.case in ("message", "all"):
+        if message:
             extra += message_case(args)
         print(case_tables(extra))
         result["records"] = result["records"] + extra
-    elif args.case in ("sync", "message"):
-        parser.error(f"--case {args.case} needs a CUDA device")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.test_examples import ROOT, run_example
+from tests.test_examples import ROOT, ray_host, run_example  # noqa: F401 - the fixture by name
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -41,12 +41,12 @@ def test_tables_give_rlcomm_over_each_baseline():
     reason="starts ~25 processes (minutes on 2 cores); run with BENCH_SMOKE=1",
 )
 @pytest.mark.timeout(900)
-def test_bench_flows_quick_end_to_end(tmp_path):
+def test_bench_flows_quick_end_to_end(request, tmp_path):
     # About 25 processes start (workers, actors, channel workers): 465 s on the shared
     # 2-core machine at load ~25 beside a full bench run; far less on a quiet one.
     out_json, out_png = tmp_path / "flows.json", tmp_path / "flows.png"
     out = run_example(
-        "scripts/bench_flows.py", "--quick", "--sync-mib", "2", "--receivers", "1,2",
+        request.getfixturevalue("ray_host"), "scripts/bench_flows.py", "--quick", "--sync-mib", "2", "--receivers", "1,2",
         "--rollout-mib", "4", "--repeats", "1", "--stream-scale", "0.01",
         "--stream-repeats", "1", "--no-rlinf", "--json", str(out_json), "--plot", str(out_png),
         timeout=840,
