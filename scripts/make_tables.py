@@ -544,14 +544,13 @@ def render_gpu_sync() -> str:
 
 
 def render_gpu_handoff() -> str:
-    """One small CUDA message between two processes of one GPU, with and without MPS:
-    the bare hand-off floor (outside rlcomm) and rlcomm's own cost."""
+    """One small CUDA message between two processes of one GPU, with and without MPS
+    (figures under MPS only from a ``scripts/gpu_check`` run that measured them)."""
     data = load("bench_gpu_sync.json")
-    floor = data["handoff"]
-    rows = [[f"hand-off floor on {floor['machine']}: {floor['note']}",
-             f"about {floor['no_mps_us']} µs", f"about {floor['mps_us']} µs"]]
-    rows += [[f"rlcomm {r['path']}, two workers on {data['machine'].split(' (')[0]}",
-              f"{num(r['us'])} µs", "not measured"] for r in data["message"]]
+    rows = [[f"rlcomm {r['path']}, two workers on {data['machine'].split(' (')[0]}",
+             f"{num(r['us'])} µs",
+             f"{num(r['mps_us'])} µs" if r.get("mps_us") is not None else "not measured"]
+            for r in data["message"]]
     return ("*From `docs/bench_gpu_sync.json`; the rlcomm rows are the run of "
             "[Performance](performance.md#gpu).*\n\n"
             + table(["what was measured", "without MPS", "under MPS"], rows))

@@ -459,11 +459,9 @@ class Worker:
         available, or until this process has used CUDA (asking does not initialize it).
         Two workers whose ``gpu`` is equal talk over CUDA IPC.
 
-        Under MPS, the processes on a GPU share one context. How much that saves was
-        measured only outside rlcomm, as a floor: two bare processes with their
-        buffers and CUDA events opened once, signalling through a flag in host shared
-        memory. rlcomm's own cost per CUDA message under MPS has not been measured (see
-        the GPU guide, ``docs/gpu.md``).
+        Under MPS, the processes on a GPU share one context. What that changes in the
+        cost of a CUDA message has not been measured yet (see the GPU guide,
+        ``docs/gpu.md``).
 
         A group has this method too (see :class:`WorkerGroup`):
         ``group.gpu_info().wait()`` gives one dict per rank, and
