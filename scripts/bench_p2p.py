@@ -20,7 +20,8 @@ Bandwidth is bytes / seconds per transfer (GB/s = 1e9 B/s), latency is half the 
 trip of a ping-pong; each figure is the median of ``--repeats`` timed batches, with min
 and max. The latency batches of one size go in rounds, a batch of each path in turn
 (the compiled graph's two in rounds of their own, while its graph lives), so that the
-machine's moods fall on every path alike. Times are taken inside the workers, except
+machine's moods fall on every path alike. The compiled graph's cases come after all
+others: its actors keep taking CPU time for a while after a graph is torn down. Times are taken inside the workers, except
 for the Ray baselines, which time the actor calls the way a Ray user would make them.
 
     python scripts/bench_p2p.py --json bench_p2p.json --plot bench_p2p.png
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import statistics
@@ -353,11 +355,11 @@ class Bench:
                               .NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
             for nid in node_ids
         ]
-        self.graph_ok = bool(self.graph_pair) and self._setup_graph()
 
     def _setup_graph(self) -> bool:
-        """Compile the graph (its actors then serve it on threads of their own, which
-        take CPU time while it lives: it is torn down between its own cases)."""
+        """Compile the graph once to see that it works (its actors then serve it on
+        threads of their own, which take CPU time while it lives, and for a while after
+        it is torn down: the graph's cases come after every other case)."""
         try:
             a, b = self.graph_pair
             ray.get(a.compile.remote(b), timeout=120)
@@ -463,28 +465,33 @@ class Bench:
         paths[6:6] = raw_shm
         if self.rdt_ok:
             paths.append("ray direct transport (gloo)")
-        graph = [GRAPH] if self.graph_ok else []
-        paths += graph
         small = [s for s in self.args.sizes if s <= LATENCY_MAX]
         jobs = [(p, s) for s in self.args.sizes for p in paths
-                if (p != "channel put/get" or s <= CHANNEL_MAX) and (p != GRAPH or s <= GRAPH_MAX)]
-        jobs += [(p + BYTES, s) for s in small for p in ("send/recv", *graph)]
+                if p != "channel put/get" or s <= CHANNEL_MAX]
+        jobs += [("send/recv" + BYTES, s) for s in small]
         jobs += [(f"latency:{s}", s) for s in small]
         latency_paths = ["send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",
                          *raw_shm, "send/recv" + BYTES]
-        for path, nbytes in tqdm(jobs, desc="bench_p2p", unit="case", file=sys.stderr):
+        # The compiled graph's cases last: its threads take CPU time for a while after a
+        # graph is torn down, which the case after it would pay.
+        graph_jobs = [] if not self.graph_pair else [
+            (GRAPH, s) for s in self.args.sizes if s <= GRAPH_MAX]
+        graph_jobs += [(GRAPH + BYTES, s) for s in small if self.graph_pair]
+        graph_jobs += [(f"{GRAPH} latency:{s}", s) for s in small if self.graph_pair]
+
+        def one(path: str, nbytes: int) -> None:
             big = nbytes >= (256 << 20)
             iters = _iters(nbytes, self.args.target_bytes if not path.startswith("ray") else
                            self.args.target_bytes // 8)
             if big and path.startswith("ray"):
                 iters = 1
-            if path.startswith("latency:"):
-                rounds = self.time_rounds(latency_paths, nbytes, min(500, iters))
-                if graph:
-                    rounds.update(self.time_graph_rounds(nbytes, min(500, iters)))
+            if "latency:" in path:
+                rounds = (self.time_graph_rounds if path.startswith(GRAPH) else
+                          functools.partial(self.time_rounds, latency_paths))(
+                    nbytes, min(500, iters))
                 for p, rtt in rounds.items():
                     self.record(p, nbytes, "latency_us", [r / 2 * 1e6 for r in rtt])
-                continue
+                return
             if path.startswith(GRAPH):
                 secs = self.time_graph("transfer", _kind(path), nbytes, min(iters, 2000))
             elif path in ("ray actor call", "ray zero-copy"):
@@ -494,6 +501,17 @@ class Bench:
             else:
                 secs = self.time_pair("transfer", path, nbytes, iters)
             self.record(path, nbytes, "GB/s", [nbytes / s / 1e9 for s in secs])
+
+        for path, nbytes in tqdm(jobs, desc="bench_p2p", unit="case", file=sys.stderr):
+            one(path, nbytes)
+        self.cold()
+        if graph_jobs and self._setup_graph():
+            for path, nbytes in tqdm(graph_jobs, desc="bench_p2p (compiled graph)",
+                                     unit="case", file=sys.stderr):
+                one(path, nbytes)
+
+    def cold(self) -> None:
+        """The first send/recv of fresh pairs (the connection made on first contact)."""
         colds = []
         for i in range(self.args.cold_repeats):
             fresh = BenchWorker.create_group().launch(
