@@ -355,6 +355,8 @@ class Bench:
                               .NodeAffinitySchedulingStrategy(nid, soft=False)).remote()
             for nid in node_ids
         ]
+        # Started now, not while the first cases run (a starting worker takes a core).
+        ray.get([peer.reply.remote(0, False) for peer in self.graph_pair], timeout=300)
 
     def _setup_graph(self) -> bool:
         """Compile the graph once to see that it works (its actors then serve it on
