@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,3 +13,12 @@ cpu_only_cluster = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="assumes a cluster without GPUs (its hardware ranks are then CPU slots)",
 )
+
+
+def bench_smoke(what: str) -> pytest.MarkDecorator:
+    """For a benchmark's end-to-end run, slow and opt-in (``BENCH_SMOKE=1``): ``what``
+    says what it starts."""
+    return pytest.mark.skipif(
+        os.environ.get("BENCH_SMOKE") != "1",
+        reason=f"starts {what} (minutes on 2 cores); run with BENCH_SMOKE=1",
+    )

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.markers import bench_smoke
 from tests.test_examples import ROOT, ray_host, run_example  # noqa: F401 - the fixture by name
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -36,10 +37,7 @@ def test_tables_give_rlcomm_over_each_baseline():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("BENCH_SMOKE") != "1",
-    reason="starts ~25 processes (minutes on 2 cores); run with BENCH_SMOKE=1",
-)
+@bench_smoke("~25 processes")
 @pytest.mark.timeout(900)
 def test_bench_flows_quick_end_to_end(request, tmp_path):
     # About 25 processes start (workers, actors, channel workers): 465 s on the shared

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from gpu_summary import GIB, summarize, table  # noqa: E402
 
+from tests.markers import bench_smoke  # noqa: E402
 from tests.test_examples import ray_host, run_example  # noqa: E402, F401 - the fixture by name
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -161,10 +162,7 @@ def test_the_command_writes_summary_json_and_prints_one_table(run):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("BENCH_SMOKE") != "1",
-    reason="starts 7 workers (minutes on 2 cores); run with BENCH_SMOKE=1",
-)
+@bench_smoke("7 workers")
 @pytest.mark.timeout(900)
 def test_the_sync_case_runs_on_cpu_tensors_into_a_summary(request, tmp_path):
     """bench_gpu.py's sync case, soak included, on CPU tensors: the code a GPU run takes
