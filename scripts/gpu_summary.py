@@ -25,7 +25,7 @@ from typing import Any
 
 GIB = 1 << 30
 #: The test runs of gpu_check whose results the summary lists, by junit file.
-TEST_FILES = {"cuda": "cuda_tests.xml", "trust": "trust_tests.xml"}
+TEST_FILES = {"cuda": "cuda_tests.xml"}
 
 
 def _json(path: Path) -> list[dict[str, Any]]:
