@@ -152,11 +152,10 @@ def unpack(frame: bytes) -> tuple[MessageHeader, bytes, bytes]:
 #: Tensors made ahead for the next one-tensor message of a known header, by the header's
 #: ``id`` (a known header is one object, kept for good: :data:`_KNOWN_IDS`), each as
 #: ``(bytearray, tensor)``, the tensor a view of the bytearray. A receiver makes the one
-#: for the last such message taken in before it waits (:func:`spare_ahead`): making a
-#: small tensor costs more than the rest of its receive in a process that waited (about
-#: 8 of a 4 B message's 30 µs on the development machine, ``bench_p2p.py``'s latency
-#: rows), and made while waiting it costs the message nothing. At most
-#: :data:`_SPARES_MAX` are kept.
+#: for the last such message taken in before it waits (:func:`spare_ahead`): right after
+#: a message arrives, making a small tensor took 8-9 µs on the development machine (a
+#: tenth of a 4 B tensor's one-way time there), and made while waiting it costs the
+#: message nothing. At most :data:`_SPARES_MAX` are kept.
 _SPARES: dict[int, tuple[bytearray, torch.Tensor]] = {}
 _SPARES_MAX = 8
 _SPARE_FOR: list[MessageHeader | None] = [None]
@@ -183,7 +182,7 @@ def _take_spare(header: MessageHeader, inline: bytes) -> torch.Tensor | None:
     if spare is None:
         return None
     # The same length, as its header says (a bytearray that a tensor views cannot be
-    # resized: a longer ``inline`` would raise, not spill).
+    # resized: ``inline`` of another length would raise, not spill).
     spare[0][:] = inline
     _SPARE_FOR[0] = header
     return spare[1]
