@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -38,6 +39,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -363,10 +365,8 @@ class Bench:
         threads of their own, which take CPU time while it lives, and for a while after
         it is torn down: the graph's cases come after every other case)."""
         try:
-            a, b = self.graph_pair
-            ray.get(a.compile.remote(b), timeout=120)
-            ray.get(a.ping_pong.remote("tensor", 4, 3), timeout=120)
-            ray.get(a.teardown.remote(), timeout=120)
+            with self._graph() as sender:
+                ray.get(sender.ping_pong.remote("tensor", 4, 3), timeout=120)
             return True
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported
             print(f"Ray Compiled Graph unavailable: {exc!r}", file=sys.stderr)
@@ -411,23 +411,30 @@ class Bench:
         pair = self.gloo_pair if path == "send/recv (gloo)" else self.pair
         return getattr(pair, method)(path, nbytes, iters).wait(timeout=600)[0]
 
+    @contextlib.contextmanager
+    def _graph(self) -> Iterator[Any]:
+        """The graph compiled for the cases inside (a live graph takes CPU time from
+        every other case of this 2-core machine); yields its sender, which executes it."""
+        a, b = self.graph_pair
+        ray.get(a.compile.remote(b), timeout=120)
+        try:
+            yield a
+        finally:
+            ray.get(a.teardown.remote(), timeout=120)
+
     def time_graph_rounds(self, nbytes: int, iters: int) -> dict[str, list[float]]:
         """The compiled graph's round trips, tensor and ``bytes`` in turn as
         :meth:`time_rounds` takes the pair's, on one graph compiled for them alone."""
-        a, b = self.graph_pair
         kinds = {GRAPH: "tensor", GRAPH + BYTES: "bytes"}
-        ray.get(a.compile.remote(b), timeout=120)
-        try:
+        with self._graph() as sender:
             for kind in kinds.values():
-                ray.get(a.ping_pong.remote(kind, nbytes, max(1, iters // 4)), timeout=600)
+                ray.get(sender.ping_pong.remote(kind, nbytes, max(1, iters // 4)), timeout=600)
             out: dict[str, list[float]] = {p: [] for p in kinds}
             for _ in range(self.args.repeats):
                 for p, kind in kinds.items():
                     out[p].append(
-                        ray.get(a.ping_pong.remote(kind, nbytes, iters), timeout=600) / iters)
+                        ray.get(sender.ping_pong.remote(kind, nbytes, iters), timeout=600) / iters)
             return out
-        finally:
-            ray.get(a.teardown.remote(), timeout=120)
 
     def time_ray(self, label: str, nbytes: int, iters: int) -> list[float]:
         a, b = self.ray_pairs[label]
@@ -435,17 +442,13 @@ class Bench:
         return [ray.get(a.push.remote(b, nbytes, iters), timeout=600) / iters
                 for _ in range(self.args.repeats)]
 
-    def time_graph(self, method: str, kind: str, nbytes: int, iters: int) -> list[float]:
-        """A compiled graph's case: compiled for it alone, torn down after (a live graph
-        takes CPU time from every other case of this 2-core machine)."""
-        a, b = self.graph_pair
-        ray.get(a.compile.remote(b), timeout=120)
-        try:
-            ray.get(getattr(a, method).remote(kind, nbytes, max(1, iters // 4)), timeout=600)
-            return [ray.get(getattr(a, method).remote(kind, nbytes, iters), timeout=600) / iters
+    def time_graph(self, kind: str, nbytes: int, iters: int) -> list[float]:
+        """Seconds per transfer of a compiled graph's bandwidth case, on a graph compiled
+        for it alone."""
+        with self._graph() as sender:
+            ray.get(sender.transfer.remote(kind, nbytes, max(1, iters // 4)), timeout=600)
+            return [ray.get(sender.transfer.remote(kind, nbytes, iters), timeout=600) / iters
                     for _ in range(self.args.repeats)]
-        finally:
-            ray.get(a.teardown.remote(), timeout=120)
 
     def time_rdt(self, nbytes: int, iters: int) -> list[float]:
         a, b = self.ray_pairs["ray actor call"]
@@ -495,7 +498,7 @@ class Bench:
                     self.record(p, nbytes, "latency_us", [r / 2 * 1e6 for r in rtt])
                 return
             if path.startswith(GRAPH):
-                secs = self.time_graph("transfer", _kind(path), nbytes, min(iters, 2000))
+                secs = self.time_graph(_kind(path), nbytes, min(iters, 2000))
             elif path in ("ray actor call", "ray zero-copy"):
                 secs = self.time_ray(path, nbytes, min(iters, 200))
             elif path.startswith("ray direct"):
