@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference
     from rlcomm.comm.codec import set_strict_mode
     from rlcomm.comm.identity.address import WorkerAddress
     from rlcomm.comm.options import CollectiveGroupOptions, set_default_timeout, set_memory_limits
+    from rlcomm.comm.push import PushedWeights, WeightPusher
     from rlcomm.comm.status import JobStatus, job_status
     from rlcomm.comm.transports.shm_handover import empty, empty_like
     from rlcomm.comm.work import AsyncWork
@@ -70,6 +71,8 @@ _MODULE_OF = {
     "CollectiveGroupOptions": "rlcomm.comm.options",
     "set_default_timeout": "rlcomm.comm.options",
     "set_memory_limits": "rlcomm.comm.options",
+    "PushedWeights": "rlcomm.comm.push",
+    "WeightPusher": "rlcomm.comm.push",
     "JobStatus": "rlcomm.comm.status",
     "job_status": "rlcomm.comm.status",
     "empty": "rlcomm.comm.transports.shm_handover",
@@ -165,9 +168,11 @@ __all__ = [
     "Placement",
     "PlacementStrategy",
     "ProtocolMismatchError",
+    "PushedWeights",
     "RlcommError",
     "RlcommTimeoutError",
     "Shard",
+    "WeightPusher",
     "Worker",
     "WorkerAddress",
     "WorkerCallError",

@@ -86,6 +86,8 @@ class SyncWorker(Worker):
         CPU message each)."""
         start = self._peak_from_here()
         starts = []
+        if path == "push":
+            self._pusher(receivers)
         for k in range(rounds):
             self._fill(float(k % 100))
             starts.append(time.perf_counter())
@@ -95,6 +97,8 @@ class SyncWorker(Worker):
                 for group, rank in receivers:
                     for p in self.params.values():
                         self.send_tensor(p, group, rank)
+            elif path == "push":  # set up once, before the first round's start
+                self._pusher(receivers).push()
             else:  # send into params, or into fresh tensors
                 for group, rank in receivers:
                     self.send(self.params, group, rank)
@@ -110,6 +114,8 @@ class SyncWorker(Worker):
         the fresh tensors among them)."""
         start = self._peak_from_here()
         ends, got = [], self.params
+        if path == "push":
+            self._pushed(trainer)
         for k in range(rounds):
             if path == "broadcast":
                 got = self.broadcast(None, groups=members, src=members[0], into=self.params)
@@ -118,6 +124,8 @@ class SyncWorker(Worker):
                     self.recv_tensor(p, *trainer)
             elif path == "send":
                 got = self.recv(*trainer, into=self.params)
+            elif path == "push":  # releases the last version, waits for the next
+                self._pushed(trainer).update()
             else:  # send_fresh: new tensors, not loaded
                 got = self.recv(*trainer)
             self._sync()
@@ -126,6 +134,18 @@ class SyncWorker(Worker):
         last = float((rounds - 1) % 100)
         ok = all(bool((t == last).all()) for t in got.values())
         return ends, ok, self._peak_extra(start)
+
+    def _pusher(self, receivers: list[tuple[str, int]]) -> Any:
+        """The pushed sync's source (made once; it waits for each receiver to register)."""
+        if getattr(self, "pusher", None) is None:
+            self.pusher = self.weight_pusher(self.params, to=receivers, name="bench")
+        return self.pusher
+
+    def _pushed(self, trainer: tuple[str, int]) -> Any:
+        """This receiver's end of the pushed sync (made once: it registers the params)."""
+        if getattr(self, "pushed", None) is None:
+            self.pushed = self.pushed_weights(self.params, src=trainer, name="bench")
+        return self.pushed
 
     # -- the baseline: CUDA IPC handles through Ray (verl, SGLang) ---------------------
 

@@ -24,7 +24,9 @@ every case the machine allows):
   N = 1 and 4 receivers, each worker its own process on GPU 0, until every receiver
   holds the values in its own parameters (its ``torch.cuda.synchronize()`` returned):
   rlcomm ``broadcast`` into the parameters, ``send`` to each + ``recv`` into them,
-  ``send`` + ``recv`` into fresh tensors (not loaded), ``send_tensor`` per tensor; the
+  ``send`` + ``recv`` into fresh tensors (not loaded), ``send_tensor`` per tensor, the
+  pushed sync (``Worker.weight_pusher``: the trainer writes each receiver's registered
+  parameters itself; each receiver's ``update()``, set up before the first round); the
   baseline verl and SGLang use, ``reduce_tensor`` CUDA IPC handles passed to each
   receiver in a Ray call, rebuilt there and loaded; and the bound, N device copies of
   the state dict inside one process. Milliseconds, median of ``--repeats`` rounds after
@@ -215,7 +217,9 @@ class Bench:
 
 # -- the weight-sync and per-message cases ---------------------------------------------------
 
-SYNC_PATHS = ["broadcast", "send", "send_fresh", "send_tensor"]
+SYNC_PATHS = ["broadcast", "send", "send_fresh", "send_tensor", "push"]
+#: Paths that only CUDA tensors take.
+CUDA_ONLY = {"push"}
 
 
 def _one_gpu_groups(cls: type, names: list[str], *args: Any) -> list[Any]:
@@ -246,6 +250,8 @@ def sync_case(args: argparse.Namespace) -> list[dict[str, Any]]:
         members = [(name, 0) for name in names]
         try:
             for path in args.sync_paths:
+                if path in CUDA_ONLY and args.device != "cuda":
+                    continue
                 ends = [g.receiver_rounds(path, ("sync_trainer", 0), rounds, members)
                         for g in receivers]
                 starts, trainer_peak = trainer.trainer_rounds(
@@ -415,7 +421,7 @@ def case_tables(records: list[dict[str, Any]]) -> str:
 
         for path in dict.fromkeys(r["path"] for r in sync):
             lines.append(f"{path:34s}" + "".join(cell(by.get((path, n))).rjust(22) for n in ns))
-        for path in ("broadcast", "send"):
+        for path in ("broadcast", "send", "push"):
             lines.append(f"{path + ' over the bound':34s}" + "".join(
                 ratio(by.get((path, n)), by.get(("bound", n))).rjust(22) for n in ns))
             lines.append(f"{'handles over ' + path:34s}" + "".join(

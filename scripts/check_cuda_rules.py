@@ -26,6 +26,8 @@ IPC = "rlcomm/comm/transports/cuda_ipc.py"
 PAYLOAD = "rlcomm/comm/connection/payload.py"
 ORDERING = "tests/comm/test_cuda_ordering.py"
 PROTOCOL = "tests/comm/test_cuda_ipc.py"
+PUSH = "rlcomm/comm/transports/cuda_push.py"
+PUSHED = "tests/comm/test_cuda_push.py"
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,27 @@ RULES = [
     Rule("a receive op orders its stream after a copy taken in before it", PAYLOAD,
          "                ipc.order_after(ipc.current_order(at))\n", "                pass\n",
          f"{PROTOCOL}::test_a_receive_op_orders_its_stream_after_a_copy_taken_in_earlier"),
+    Rule("a registration records free after the receiver's work so far", PUSH,
+         "    ops.record(free, order)  # the source's first copies come after the work queued so far\n",
+         "", f"{PUSHED}::test_the_first_push_comes_after_the_receivers_own_writes_before_registering"),
+    Rule("a push's copies wait for the caller's stream (the source's values)", PUSH,
+         "            ops.wait_stream(self._stream, order)  # the source's values are written\n",
+         "", f"{PUSHED}::test_a_push_copies_the_sources_values_after_the_callers_writes"),
+    Rule("a push's copies wait for each receiver's free", PUSH,
+         "                ops.wait_event(self._stream, receiver.free)\n", "",
+         f"{PUSHED}::test_a_push_writes_a_receivers_tensors_after_its_reads_of_the_last_version"),
+    Rule("a push records ready after its copies", PUSH,
+         "            ops.record(self._ready, self._stream)\n", "",
+         f"{PUSHED}::test_an_update_orders_the_receivers_reads_after_the_copies"),
+    Rule("a push orders the caller's stream after ready", PUSH,
+         "            ops.wait_event(order, self._ready)  # later writes to the source come after\n",
+         "", f"{PUSHED}::test_the_source_writes_its_tensors_again_after_the_push_read_them"),
+    Rule("an update orders the receiver's stream after ready", PUSH,
+         "            self._ops.wait_event(order, self._ready)  # the source's copies are done first\n",
+         "", f"{PUSHED}::test_an_update_orders_the_receivers_reads_after_the_copies"),
+    Rule("a release records free after the receiver's reads so far", PUSH,
+         "        self._ops.record(self._free, order)\n", "",
+         f"{PUSHED}::test_a_release_lets_the_source_write_only_after_the_reads_queued_before_it"),
 ]
 
 

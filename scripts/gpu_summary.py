@@ -4,7 +4,8 @@ output folder: ``summary.json`` there, and one table printed.
 
 Each check is a figure, its bar and whether the figure meets it: the CUDA tests' failures;
 the weight sync of 1 GiB to 4 receivers on one GPU (``broadcast`` and ``send`` against
-the bound and against CUDA IPC handles through Ray; ``send_tensor`` one tensor at a time;
+the bound and against CUDA IPC handles through Ray; the pushed sync against the bound;
+``send_tensor`` one tensor at a time;
 1 GiB to 1 into fresh tensors), of 16 GiB to 4 (against the bound, with the receivers'
 peak extra GPU memory); a 4 B CUDA message streamed and as a ping-pong against the
 hand-off floor measured in the same run, without NVIDIA MPS and under it; the GPU memory
@@ -99,8 +100,10 @@ def checks(sync: list[dict[str, Any]], sync16: list[dict[str, Any]],
         out.append(_check(f"1 GiB to 4, {path} over the bound", _over(r, bound), 1.5))
         out.append(_check(f"1 GiB to 4, handles through Ray over {path}", _over(handles, r),
                           10, at_most=False))
+    out.append(_check("1 GiB to 4, push over the bound", _over(_ms(sync, "push", 4, GIB), bound),
+                      1.5))
     bound16 = _ms(sync16, "bound", 4, 16 * GIB)
-    for path in ("broadcast", "send"):
+    for path in ("broadcast", "send", "push"):
         r = _ms(sync16, path, 4, 16 * GIB)
         out.append(_check(f"16 GiB to 4, {path} over the bound", _over(r, bound16), 1.5))
         out.append(_check(f"16 GiB to 4, {path}: a receiver's peak extra GPU memory",

@@ -92,6 +92,8 @@ def test_what_the_run_did_not_produce_is_not_measured_never_met(run):
         "16 GiB to 4, broadcast over the bound", "16 GiB to 4, send over the bound",
         "16 GiB to 4, broadcast: a receiver's peak extra GPU memory",
         "16 GiB to 4, send: a receiver's peak extra GPU memory",
+        "1 GiB to 4, push over the bound", "16 GiB to 4, push over the bound",
+        "16 GiB to 4, push: a receiver's peak extra GPU memory",
         "4 B message streamed under MPS over the floor",
         "4 B message ping-pong under MPS over the floor",
     }
@@ -122,13 +124,13 @@ def test_a_sync_of_another_size_is_not_taken_for_the_one_the_bar_names(run):
 
 def test_every_check_met_says_so(run):
     good = [_sync("bound", 4, 2.8), _sync("broadcast", 4, 3.0), _sync("send", 4, 3.2),
-            _sync("handles through Ray", 4, 43.6), _sync("send_tensor", 4, 7.0),
+            _sync("push", 4, 3.1), _sync("handles through Ray", 4, 43.6), _sync("send_tensor", 4, 7.0),
             _sync("bound", 1, 0.8), _sync("send_fresh", 1, 1.5),
             {"case": "soak", "path": "broadcast", "receivers": 4, "rounds": 1000,
              "allocated_growth_mib": 0.0, "reserved_growth_mib": 0.0,
              "device_used_growth_mib": 0.0}]
     big = [_sync("bound", 4, 45.0, 16 * GIB), _sync("broadcast", 4, 50.0, 16 * GIB, 8.0),
-           _sync("send", 4, 60.0, 16 * GIB, 8.0)]
+           _sync("send", 4, 60.0, 16 * GIB, 8.0), _sync("push", 4, 48.0, 16 * GIB, 0.0)]
     message = [_message(f"{who} {how}", us, mps)
                for mps in (False, True) for how in ("streamed", "ping-pong")
                for who, us in (("rlcomm", 300.0), ("floor", 250.0))]

@@ -369,6 +369,24 @@ class CommManager:
                          explain=explain, progress=group.progress_mark)
         return work if async_op else work.wait()
 
+    # -- stores of pairs ------------------------------------------------------------------------
+
+    def pair_store(self, owner: WorkerAddress, prefix: str, timeout: float) -> tuple[dist.Store, Any]:
+        """A store under ``prefix`` in ``owner``'s mailbox (this worker's own, or a peer's
+        reached over the network), and ``owner``'s endpoint (its node and process)."""
+        if owner == self.address:
+            return sub_store(self._mailbox.client(timeout), prefix), self.endpoint
+        ep = self._handshake.peer_endpoint(owner)
+        return sub_store(self._handshake.reach(owner, ep, timeout), prefix), ep
+
+    def peer_endpoint(self, peer: WorkerAddress) -> Any:
+        """``peer``'s endpoint (from the registry once): its node and process.
+
+        Raises:
+            PeerNotFoundError: ``peer`` is not running.
+        """
+        return self._handshake.peer_endpoint(peer)
+
     # -- what the peer was doing --------------------------------------------------------------
 
     def explain(

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from rlcomm.comm.broadcast.group import expand_groups
 from rlcomm.comm.buckets import MIN_BUCKET
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.manager import CommManager
+from rlcomm.comm.push import PushedWeights, WeightPusher, pushed_weights, weight_pusher
 from rlcomm.settings import group_name_from_env
 from rlcomm.worker.dispatch import MeshTable
 
@@ -448,6 +450,74 @@ class Worker:
         _check_bucket_bytes(bucket_bytes)
         return self._comm.broadcast(object, groups, src, async_op, options, into, shards,
                                     bucket_bytes)
+
+    def weight_pusher(
+        self,
+        tensors: Any,
+        to: list[tuple[str, Any]],
+        name: str = "weights",
+        timeout: float | None = None,
+    ) -> WeightPusher:
+        """Become the source of a *pushed* weight sync to the workers ``to`` (a list of
+        ``(group_name, ranks)``, as :meth:`broadcast`'s ``groups``), all on this worker's
+        GPU: each :meth:`WeightPusher.push` writes their registered tensors from
+        ``tensors`` (a dict of name to tensor, a list, or one tensor; contiguous CUDA
+        tensors, a model's ``state_dict()`` say), on the GPU, from this process.
+
+        Each receiver calls :meth:`pushed_weights` with the tensors it wants written
+        (by the same names, of the same dtypes and shapes; a subset of the names is
+        fine) and this worker's address, at about the same time: this call waits for
+        each to register, up to ``timeout`` (the ``comm_timeout`` setting by default).
+        ``name`` tells several syncs between the same workers apart.
+
+        Beside ``broadcast(into=...)``, which has each receiver copy out of the source's
+        memory in its own process, a push queues every copy from this one process (one
+        batched copy per receiver), and a receiver's update costs a host wait and an
+        event wait: the GPU runs the copies back to back as in one process, without
+        switching between the receivers' contexts.
+
+        Returns:
+            The :class:`~rlcomm.comm.push.WeightPusher`.
+
+        Raises:
+            ValueError: a tensor is not a contiguous CUDA tensor, or a receiver is on
+                another node.
+            ProtocolMismatchError: a receiver's tensors do not match these (both ends
+                raise, naming the tensor), or it is on another GPU.
+            CommTimeoutError: a receiver did not register in time.
+        """
+        return weight_pusher(self._comm, tensors, expand_groups(to), name, timeout)
+
+    def pushed_weights(
+        self,
+        tensors: Any,
+        src: tuple[str, RankLike],
+        name: str = "weights",
+        timeout: float | None = None,
+    ) -> PushedWeights:
+        """Register ``tensors`` (contiguous CUDA tensors on this worker's GPU: its
+        parameters, a dict by name) to be written by the source ``src`` of a pushed
+        weight sync (see :meth:`weight_pusher`, which ``src`` calls at about the same
+        time). Waits until the source took them, up to ``timeout``.
+
+        Then each :meth:`PushedWeights.update` releases the version the tensors hold and
+        waits for the next: work queued on this thread's current stream afterwards reads
+        it. The source writes the tensors only after the work this worker queued on
+        that stream before it released them, so a rollout calls ``update()`` between two
+        generation steps and never sees a half-written version. The tensors stay
+        registered (and alive) until :meth:`PushedWeights.close`.
+
+        Returns:
+            The :class:`~rlcomm.comm.push.PushedWeights`.
+
+        Raises:
+            ValueError: a tensor is not a contiguous CUDA tensor, or ``src`` is on
+                another node.
+            ProtocolMismatchError: the source refused them (the reason names the tensor).
+            CommTimeoutError: the source did not take them in time.
+        """
+        return pushed_weights(self._comm, tensors, WorkerAddress.of(src[0], src[1]), name,
+                              timeout)
 
     def gpu_info(self) -> dict[str, Any]:
         """What this worker uses of the GPUs, as a dict: ``device`` (its current CUDA

@@ -111,6 +111,41 @@ class Syncer(Worker):
         return (all(bool((v == step + i).all()) for i, v in enumerate(got.values())),
                 (got is target) if into else True, links)
 
+    # -- a pushed sync ---------------------------------------------------------------------
+
+    def make_pusher(self, to):
+        self.pusher = self.weight_pusher(self.params, to=to, timeout=60)
+        return sorted(self.pusher.receivers)
+
+    def make_target(self, src):
+        self.target = self.pushed_weights(self.params, src=src, timeout=60)
+        return self.target.version
+
+    def push_versions(self, count):
+        """Push ``count`` versions: version k holds k + i in layer i. Returns the
+        versions, or the error of the push that failed (its type and peer)."""
+        versions = []
+        for _ in range(count):
+            k = self.pusher.version + 1
+            for i, p in enumerate(self.params.values()):
+                p.fill_(k + i)
+            try:
+                versions.append(self.pusher.push(timeout=60))
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                versions.append((type(exc).__name__, exc.peer))
+        return versions
+
+    def take_versions(self, count, hold=False):
+        """Update ``count`` times, checking each version's values on this stream (the
+        check is queued after the update, as a rollout's forward pass is)."""
+        ok = True
+        for _ in range(count):
+            k = self.target.update(timeout=60)
+            ok = ok and all(bool((v == k + i).all()) for i, v in enumerate(self.params.values()))
+        if not hold:
+            self.target.release()
+        return ok, self.target.version
+
     def send_and_receive(self, group, rank, nbytes, value):
         """Send a lent payload of ``value`` to the peer before receiving its own (both do)."""
         mine = torch.full((nbytes // 4,), float(value), device="cuda")
@@ -216,4 +251,43 @@ def test_a_broadcast_on_one_gpu_copies_on_the_device(cluster):
             assert all(ok and same and links == 1 for ok, same, links in results), results
     finally:
         for g in groups:
+            g.shutdown()
+
+
+def test_a_pushed_sync_writes_each_receivers_parameters_from_the_trainer(cluster):
+    trainer, *rollouts = _launch(cluster, "gpush", 3)
+    try:
+        targets = [r.make_target(("gpush_0", 0)) for r in rollouts]
+        made = trainer.make_pusher([("gpush_1", 0), ("gpush_2", 0)])
+        assert made.wait(timeout=120) == [["gpush_1:0", "gpush_2:0"]]
+        assert [t.wait(timeout=120) for t in targets] == [[0], [0]]
+        takes = [r.take_versions(20) for r in rollouts]
+        assert trainer.push_versions(20).wait(timeout=300) == [list(range(1, 21))]
+        assert [t.wait(timeout=300) for t in takes] == [[(True, 20)], [(True, 20)]]
+        before = [g.memory().wait(timeout=30)[0] for g in (trainer, *rollouts)]
+        takes = [r.take_versions(200) for r in rollouts]
+        assert trainer.push_versions(200).wait(timeout=300)[0][-1] == 220
+        assert [t.wait(timeout=300) for t in takes] == [[(True, 220)], [(True, 220)]]
+        assert [g.memory().wait(timeout=30)[0] for g in (trainer, *rollouts)] == before
+    finally:
+        for g in (trainer, *rollouts):
+            g.shutdown()
+
+
+def test_a_pushed_sync_goes_on_without_a_receiver_that_was_killed(cluster):
+    trainer, victim, rollout = _launch(cluster, "gpkill", 3)
+    try:
+        targets = [r.make_target(("gpkill_0", 0)) for r in (victim, rollout)]
+        trainer.make_pusher([("gpkill_1", 0), ("gpkill_2", 0)]).wait(timeout=120)
+        [t.wait(timeout=120) for t in targets]
+        takes = [r.take_versions(1) for r in (victim, rollout)]
+        assert trainer.push_versions(1).wait(timeout=120) == [[1]]
+        assert [t.wait(timeout=120) for t in takes] == [[(True, 1)], [(True, 1)]]
+        os.kill(victim.pid().wait(timeout=30)[0], signal.SIGKILL)
+        taken = rollout.take_versions(2)
+        pushed = trainer.push_versions(2).wait(timeout=120)[0]
+        assert pushed == [("PeerLostError", "gpkill_1:0"), 3], pushed
+        assert taken.wait(timeout=120) == [(True, 3)]
+    finally:
+        for g in (trainer, victim, rollout):
             g.shutdown()
