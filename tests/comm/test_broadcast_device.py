@@ -172,6 +172,19 @@ def test_receivers_take_a_device_broadcast_into_their_tensors(node):
     assert how == "device" and got is into and torch.equal(into["w"], weights["w"])
 
 
+def test_a_source_writes_a_receivers_tensors_itself_from_the_second_broadcast_into_them(node):
+    made, source, sinks, devices = node
+    weights = {"w": torch.randn(128), "b": torch.ones(3)}
+    into = {"w": torch.zeros(128), "b": torch.zeros(3)}
+    results, failures = _broadcast(node, weights, into=into, rounds=3)
+    assert failures == [{}, {}, {}]
+    assert [how for _, how in results[1]] == ["device"] * 3
+    assert torch.equal(into["w"], weights["w"]) and torch.equal(into["b"], weights["b"])
+    # The receiver copied the first one out; it registered its tensors with the second,
+    # which the source wrote, as the third.
+    assert devices[1].copies == 1 and devices[0].copies == 2
+
+
 def test_a_receiver_that_refuses_fails_the_source_for_it_only(node):
     made, source, sinks, devices = node
     _broadcast(node, {"w": torch.ones(4)})  # set up

@@ -222,9 +222,112 @@ def test_a_lent_payload_lands_straight_in_the_receivers_tensors(ipc):
         done.join(timeout=10)
         assert not done.is_alive()
         assert all(torch.equal(dev_b.read(dst[k]), params[k]) for k in params)
-    assert dev_b.copies == 3 and dev_b.allocated == 0  # one copy per sync, into place
-    assert dev_a.shares == 2  # each allocation shared once, then reused
-    assert b.stats()["opened"] == 2
+    # One copy per sync, into place: the receiver's at first; from the second sync into
+    # the same tensors on, the sender's, into them (registered once).
+    assert dev_b.copies == 1 and dev_a.copies == 2 and dev_b.allocated == 0
+    assert dev_a.shares == 2 and dev_b.shares == 2  # each allocation shared once, then reused
+    assert b.stats()["opened"] == 2 and b.stats()["registered"] == 1
+    assert a.stats()["targets"] == 1
+
+
+def _lend_into(a, b, dev_a, src: list[torch.Tensor], into: list[torch.Tensor]) -> None:
+    """A lent message from ``a`` taken by ``b`` into ``into`` (the send completes
+    meanwhile, as a blocking send's does)."""
+    out = _send(a, src)
+    assert out.lent
+    done = threading.Thread(target=a.complete, args=(out, dev_a.current, time.monotonic() + 10))
+    done.start()
+    b.accept(out.offer, [t.numel() * t.element_size() for t in src], into, None,
+             b._ops.current)
+    done.join(timeout=10)
+    assert not done.is_alive()
+
+
+def test_receiving_into_new_tensors_each_time_registers_nothing(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    src = [torch.randn(4096)]
+    for _ in range(4):
+        # New memory each time, at the same address (the allocator hands out the block
+        # the last one freed): new storages, not the ones received into before.
+        into = [dev_b.tensor(torch.zeros(4096))]
+        _lend_into(a, b, dev_a, src, into)
+        assert torch.equal(dev_b.read(into[0]), src[0])
+        del into
+    assert dev_b.reused == 3
+    assert b.stats()["registered"] == 0 and dev_a.copies == 0 and dev_b.copies == 4
+
+
+def test_registered_tensors_the_receiver_frees_are_let_go_by_the_sender(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    src = [torch.randn(4096)]
+    into = [dev_b.tensor(torch.zeros(4096))]  # the receiver's own memory (its allocator)
+    for _ in range(3):
+        _lend_into(a, b, dev_a, src, into)
+    assert b.stats()["registered"] == 1 and a.stats()["targets"] == 1 and dev_a.opened == 1
+    share = b._registered[next(iter(b._registered))].shares[0]
+    assert held(share) == 1  # the sender holds it open
+    dev_b.synchronize_all()
+    del into  # the receiver frees its tensors
+    b.release_idle(time.monotonic(), 3600)  # retires registrations of freed tensors
+    assert b.stats()["registered"] == 0
+    wait_for(lambda: a.stats()["targets"] == 0, "the sender takes the retirement in", 10)
+    assert dev_a.opened == 0 and held(share) == 0
+
+
+def _written_twice(a, b, dev_a) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A payload and the tensors it was received into twice (registered now)."""
+    src, into = [torch.randn(4096)], [torch.zeros(4096)]
+    for _ in range(2):
+        _lend_into(a, b, dev_a, src, into)
+    return src, into
+
+
+def test_a_sender_that_cannot_write_registered_tensors_has_the_receiver_copy_them(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    src, into = _written_twice(a, b, dev_a)
+    number = next(iter(a._targets))
+    a._targets[number] = "the sender could not open it"  # as after a failed open
+    src[0].add_(1)
+    copies = dev_b.copies
+    _lend_into(a, b, dev_a, src, into)
+    assert dev_b.copies == copies + 1 and torch.equal(dev_b.read(into[0]), src[0])
+    assert b.stats()["registered"] == 0  # that registration is dropped
+
+
+def test_tensors_that_cannot_be_shared_are_copied_into_by_the_receiver(ipc, monkeypatch):
+    a, b, (dev_a, dev_b) = ipc
+
+    def refuse(t):
+        raise RuntimeError("memory of another allocator")
+
+    monkeypatch.setattr(dev_b, "share", refuse)
+    src = [torch.randn(4096)]
+    into = [torch.zeros(4096)]
+    for _ in range(4):
+        _lend_into(a, b, dev_a, src, into)
+        assert torch.equal(dev_b.read(into[0]), src[0])
+    assert dev_b.copies == 4 and dev_a.copies == 0 and a.stats()["targets"] == 0
+
+
+def test_a_sender_that_does_not_write_in_time_fails_the_receive_and_writes_no_more(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    src, into = _written_twice(a, b, dev_a)
+    out = _send(a, src)  # a sender whose send never waits for its receiver
+    with pytest.raises(CommTimeoutError, match="the sender did not write it in time"):
+        b.accept(out.offer, [16384], into, None, dev_b.current, time.monotonic() + 0.2)
+    copies = dev_a.copies
+    with pytest.raises(PeerLostError):  # the sender finds the link closed, writes nothing
+        a.complete(out, dev_a.current, time.monotonic() + 5)
+    assert dev_a.copies == copies
+
+
+def test_a_dead_sender_leaves_no_registered_tensor_held(ipc):
+    a, b, (dev_a, dev_b) = ipc
+    _written_twice(a, b, dev_a)
+    (known,) = b._registered.values()
+    assert [held(s) for s in known.shares] == [1]
+    b.close(lost=True)  # the sender's process died: nobody closes what it opened
+    assert [held(s) for s in known.shares] == [0]
 
 
 def test_slots_are_reused_after_acks_and_a_full_staging_times_out(ipc):

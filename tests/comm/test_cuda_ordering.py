@@ -242,3 +242,60 @@ def test_the_caller_reads_what_it_received_after_the_copy(pair, lent):
         (got,) = b.accept(out.offer, [n * 4], None, None, dev_b.current)
         got = got.view(torch.float32)
     assert torch.equal(dev_b.read(got), torch.full((n,), 8.0))
+
+
+# -- a lent payload the sender writes into the receiver's registered tensors ----------------
+
+
+def _registered(a, b, dev_a, dev_b, into: torch.Tensor, times: int = 2) -> torch.Tensor:
+    """Receive lent payloads into ``into`` until the sender writes it (the second time);
+    returns the sender's tensor, for the next sync."""
+    src = dev_a.tensor(torch.full((into.numel(),), 0.5))
+    for _ in range(times):
+        _lend(a, b, dev_a, dev_b, src, into)
+    assert b.stats()["registered"] == 1 and a.stats()["targets"] == 1
+    dev_a.synchronize_all()  # nothing of these syncs is left queued for the next one
+    dev_b.synchronize_all()
+    return src
+
+
+def test_the_sender_writes_registered_tensors_after_the_receivers_reads(pair):
+    """_written_by_sender records *done* after the caller's work on its tensors; the
+    sender's write waits for it."""
+    a, b, dev_a, dev_b = pair
+    params = torch.full((4096,), 1.0)
+    src = _registered(a, b, dev_a, dev_b, params)
+    dev_a.launch(lambda: src.fill_(2.0))
+    dev_b.current.latency = SLOW
+    seen: list[float] = []
+    dev_b.launch(lambda: seen.append(float(params[0])))  # a kernel reads the old weights
+    copies = dev_a.copies
+    _lend(a, b, dev_a, dev_b, src, params)
+    assert dev_a.copies == copies + 1  # the sender wrote it
+    assert torch.equal(dev_b.read(params), torch.full((4096,), 2.0))
+    assert seen == [0.5]
+
+
+def test_the_receiver_reads_registered_tensors_after_the_senders_write(pair):
+    """_write records *ready* after its copy; the receiver's stream waits for it."""
+    a, b, dev_a, dev_b = pair
+    params = torch.zeros(4096)
+    src = _registered(a, b, dev_a, dev_b, params)
+    dev_a.launch(lambda: src.fill_(3.0))
+    a._send_stream.latency = SLOW  # the sender's write comes late
+    _lend(a, b, dev_a, dev_b, src, params)
+    assert torch.equal(dev_b.read(params), torch.full((4096,), 3.0))
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["stream", "host"])
+def test_the_caller_writes_a_payload_it_wrote_into_the_receiver_again_after_that_write(pair, host):
+    """complete (written by the sender): the caller's stream, or the host, waits for the
+    sender's own *ready*, not the receiver's *done*."""
+    a, b, dev_a, dev_b = pair
+    params = torch.zeros(4096)
+    src = _registered(a, b, dev_a, dev_b, params)
+    dev_a.launch(lambda: src.fill_(4.0))
+    a._send_stream.latency = SLOW
+    _lend(a, b, dev_a, dev_b, src, params, host=host)
+    _write_again(dev_a, src, host)
+    assert torch.equal(dev_b.read(params), torch.full((4096,), 4.0))

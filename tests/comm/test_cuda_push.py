@@ -32,6 +32,7 @@ from rlcomm.comm.transports.cuda_push import (
     PushTarget,
     Registration,
     TensorSpec,
+    _encode,
     check_registration,
     named_tensors,
     register,
@@ -92,6 +93,12 @@ class Job:
         if "error" in got:
             raise got["error"]
         return got["target"]
+
+    def add(self, name: str, dev: FakeDevice, params: dict[str, torch.Tensor]) -> None:
+        """A receiver more, ``params`` on ``dev``, registered as ``name``."""
+        self.devs.append(dev)
+        self.params.append(params)
+        self.targets.append(self.join(name, params, dev))
 
     def write(self, value: float) -> None:
         """The trainer's step: new values in the source's tensors, on its stream."""
@@ -163,10 +170,7 @@ def test_a_receiver_may_register_a_subset_of_the_sources_tensors():
     job = Job({"w": (16,), "extra": (4,)}, receivers=0)
     try:
         dev = FakeDevice()
-        params = {"w": dev.tensor(torch.zeros(16))}
-        job.devs.append(dev)
-        job.params.append(params)
-        job.targets.append(job.join("r0", params, dev))
+        job.add("r0", dev, {"w": dev.tensor(torch.zeros(16))})
         job.write(3.0)
         job.push()
         job.update(0)
@@ -234,12 +238,9 @@ def test_the_first_push_comes_after_the_receivers_own_writes_before_registering(
     try:
         dev = FakeDevice()
         dev.current.latency = SLOW  # the rollout's own load of its weights is queued
-        params = {"w": dev.tensor(torch.zeros(32))}
-        w = params["w"]
+        w = dev.tensor(torch.zeros(32))
         dev.launch(lambda: w.fill_(7.0))
-        job.devs.append(dev)
-        job.params.append(params)
-        job.targets.append(job.join("r0", params, dev))
+        job.add("r0", dev, {"w": w})
         job.write(9.0)
         job.push()
         job.update(0)
@@ -385,13 +386,8 @@ def test_a_stale_registration_of_another_process_is_dropped():
     try:
         dev = FakeDevice()
         stale = Registration("dead", 1, dev.gpu, b"", [], [])
-        from rlcomm.comm.transports.cuda_push import _encode
-
         job.store("r0").set("registration", _encode(stale))
-        params = {"w": dev.tensor(torch.zeros(16))}
-        job.devs.append(dev)
-        job.params.append(params)
-        job.targets.append(job.join("r0", params, dev))
+        job.add("r0", dev, {"w": dev.tensor(torch.zeros(16))})
         job.write(2.0)
         job.push()
         job.update(0)

@@ -175,6 +175,8 @@ def test_a_weight_sync_lands_in_the_receivers_parameters(pair):
     stats = trainer.cuda_stats("gsync_1", 0).wait(timeout=30)[0]
     # Lent: nothing staged for these 32 MiB, each allocation shared once.
     assert stats["name"] == "cuda_ipc" and stats["acked"] == 5 and stats["lent"] == 8
+    # From the second sync into the same parameters, the trainer wrote them itself.
+    assert stats["targets"] == 1
     # Fresh tensors, and small messages that go through the staging slots.
     pulled = rollout.pull("gsync_0", 0, 2, into=False)
     assert trainer.push("gsync_1", 0, 2, async_op=True).wait(timeout=120) == [True]

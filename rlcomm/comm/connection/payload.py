@@ -20,6 +20,7 @@ Which one is asked of the transport, typed; nothing here tests its class.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -172,7 +173,7 @@ class Payloads:
             )
         sizes = [m.nbytes for m in header.tensors]
         buffers = ipc.accept(offer, sizes, targets if direct else None, device,
-                             ipc.current_order(device))
+                             ipc.current_order(device), time.monotonic() + timeout)
         if direct:
             return targets  # type: ignore[return-value]
         device = buffers[0].device if buffers else device

@@ -340,12 +340,14 @@ class OneSidedTransport(ABC):
     @abstractmethod
     def accept(
         self, offer: bytes, sizes: Sequence[int], into: Sequence[torch.Tensor] | None,
-        device: torch.device | None, order: object,
+        device: torch.device | None, order: object, deadline: float | None = None,
     ) -> list[torch.Tensor]:
         """Copy the payload of the received ``offer`` (tensors of ``sizes`` bytes) into
         ``into`` (contiguous tensors of those sizes), or into new uint8 tensors on
         ``device`` (``None``: the GPU the payload lies on); returns the uint8 buffers,
-        ordered on ``order`` (``None``: not yet; see :meth:`order_after`).
+        ordered on ``order`` (``None``: not yet; see :meth:`order_after`). A transport
+        may have the sender write ``into`` instead, waiting for it until ``deadline``
+        (``None``: the ``comm_timeout`` setting from now).
 
         Raises:
             ProtocolMismatchError: the offer does not match ``sizes``, or is out of order.

@@ -10,7 +10,8 @@ Set up once per pair, at its first CUDA payload: each end makes two streams of i
 (*ready*, recorded after a send's copies; *done*, after a receive's copies), and one
 ``SOCK_SEQPACKET`` *link* to the peer (an abstract socket named in the rendezvous store,
 both ends' processes checked with ``SO_PEERCRED``), over which the ends swap their
-events' handles. After that, one message:
+events' handles (and a second link, for the other direction's payloads). After that,
+one message:
 
 1. The sender orders its send stream after the caller's stream and *offers* the
    payload, in one of two ways:
@@ -33,8 +34,22 @@ events' handles. After that, one message:
    records *done*, orders the caller's stream after it and sends the ack: the message's
    sequence number, and why it refused it if it did.
 
+3. *Written by the sender*: a receiver that takes a lent payload into tensors it has
+   received into before (the same storages: its parameters, sync after sync) has them
+   *registered* with the sender once (their storages shared, as the sender's are), and
+   asks the sender to write them instead of copying: it records *done* after the
+   caller's work queued so far (its reads of the tensors), sends a write request, and
+   waits for the word that the write is queued; the sender, waiting for its ack, copies
+   on its send stream after *done*, records *ready* and says so (which stands for the
+   ack); the receiver orders the caller's stream after *ready*. Every copy of a sync is
+   then queued from the sender's process. Tensors received into once cost the sender
+   nothing; a registration whose storages the receiver freed ends, and the sender closes
+   what it opened of it.
+
 One event per end and role is enough because each is always recorded on the same
-stream: waiting on a later record of it also waits for every earlier one.
+stream: waiting on a later record of it also waits for every earlier one. Each direction
+of payloads has a link of its own, read by one side at each end: acks, write requests
+and registrations from the receiver, and the sender's word on each write.
 
 Lifetimes: the staging area is released after :func:`idle_release` seconds without a
 message, and the receiver closes what it opened after as long. When the peer is lost,
@@ -82,9 +97,24 @@ logger = logging.getLogger(__name__)
 
 #: Each tensor of a payload starts at a multiple of this many bytes.
 ALIGN = 256
-#: An ack: the message's sequence number and whether it was refused; the reason follows.
+#: A link message: a number (a message's, or a registration's) and its kind; what
+#: follows depends on the kind. From a receiver: an ack (``_OK``, ``_REFUSED`` and the
+#: reason), a request to write a lent payload into registered tensors (``_WRITE``, then
+#: the registration's number), a registration in parts (``_REGISTER``, the last
+#: ``_REGISTERED``), a registration's end (``_RETIRE``). From a sender: a write done
+#: (``_WRITTEN``) or not (``_NOT_WRITTEN``, then the reason).
 _ACK = struct.Struct("<QB")
-_OK, _REFUSED = 0, 1
+_OK, _REFUSED, _WRITE, _REGISTER, _REGISTERED, _RETIRE, _WRITTEN, _NOT_WRITTEN = range(8)
+_NUMBER = struct.Struct("<Q")
+#: Bytes of a registration's part (a link message stays well under a socket's buffer).
+_PART = 32 << 10
+#: A receiver registers tensors it receives into the second time it does (a target used
+#: once costs its sender nothing), up to this many registrations per peer (past them, it
+#: copies out itself: registering one to end another would open and close a mapping per
+#: message).
+_MAX_REGISTRATIONS = 1024
+#: The largest registration a sender takes in (about 100 bytes per storage).
+_MAX_REGISTRATION_BYTES = 16 << 20
 #: How often a send waiting for an ack runs its ``on_wait`` (seconds).
 _WAIT_SLICE = 0.002
 
@@ -130,9 +160,27 @@ class Hello(msgspec.Struct, array_like=True, frozen=True):
     done: bytes
 
 
+class Targets(msgspec.Struct, array_like=True, frozen=True):
+    """A receiver's registration of tensors it receives lent payloads into, so that
+    their sender writes them itself: the allocations, and per non-empty tensor ``(share
+    index, byte offset in that storage, bytes)``."""
+
+    shares: list[Share]
+    pieces: list[tuple[int, int, int]]
+
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode_offer = msgspec.msgpack.Decoder(Offer).decode
 _decode_hello = msgspec.msgpack.Decoder(Hello).decode
+_decode_targets = msgspec.msgpack.Decoder(Targets).decode
+
+
+def sub_store_of(store: dist.Store, prefix: str) -> dist.Store:
+    """``store`` with keys under ``prefix`` (a prefixed view where the store has one)."""
+    prefixed = getattr(store, "prefixed", None)
+    if prefixed is not None:
+        return prefixed(prefix)
+    return dist.PrefixStore(prefix, store)
 
 
 def decode_offer(data: bytes, peer: str) -> Offer:
@@ -282,6 +330,18 @@ class Sent:
     slot: int | None = None
     nbytes: int = 0
     retired: tuple[tuple[bytes, int], ...] = ()
+    views: list[torch.Tensor] | None = None  # a lent payload's bytes (a write reads them)
+    pushed: bool = False  # the sender wrote it into the receiver's registered tensors
+
+
+class _Registration:
+    """Tensors a receiver registered with its sender: their number, the storages they
+    lie in (weak references: a freed one ends the registration), what was shared."""
+
+    __slots__ = ("number", "refs", "shares")
+
+    def __init__(self, number: int, refs: list[Any], shares: list[Share]):
+        self.number, self.refs, self.shares = number, refs, shares
 
 
 class _LentShare:
@@ -328,16 +388,29 @@ class CudaIpcTransport(OneSidedTransport):
         self._done, done_handle = ops.new_ipc_event(device)
         deadline = time.monotonic() + timeout
         hello = _encode(Hello(self._gpu, ready_handle, done_handle))
-        self._sock, theirs = connect_link(store, rank, hello, deadline, peer, peer_pid)
+        first, theirs = connect_link(store, rank, hello, deadline, peer, peer_pid)
+        try:
+            second, _ = connect_link(sub_store_of(store, "back"), rank, b"back", deadline,
+                                     peer, peer_pid)
+        except CommError:
+            first.close()
+            raise
+        # Two links, one per direction of payloads, each read by one side of each end:
+        # _sock is about this end's sends (acks and write requests come in, writes done
+        # go out), _back about its receives (the other way).
+        self._sock, self._back = (first, second) if rank == 0 else (second, first)
         try:
             peer_hello = _decode_hello(theirs)
             self._peer_ready = ops.open_ipc_event(peer_hello.ready, device)
             self._peer_done = ops.open_ipc_event(peer_hello.done, device)
         except (msgspec.DecodeError, ValueError, RuntimeError) as exc:
             self._sock.close()
+            self._back.close()
             raise ProtocolMismatchError(f"cuda_ipc set-up with {peer}: a bad hello ({exc})") from exc
         self._poller = select.poll()
         self._poller.register(self._sock, select.POLLIN)
+        self._back_poller = select.poll()
+        self._back_poller.register(self._back, select.POLLIN)
         self._failed: CommError | None = None
         self._closed = False
         # The sending side (under _send_lock).
@@ -352,11 +425,16 @@ class CudaIpcTransport(OneSidedTransport):
         self._lent: dict[tuple[int, int], _LentShare] = {}
         self._retiring: list[tuple[bytes, int]] = []  # freed, for the next lent offer
         self._shared: list[Share] = []  # everything this end shared with the peer
+        self._targets: dict[int, list[torch.Tensor] | str] = {}  # the peer's registrations
+        self._parts: dict[int, bytearray] = {}  # registrations still coming
         self._last_send = time.monotonic()
         # The receiving side (under _recv_lock).
         self._recv_lock = threading.Lock()
         self._expected = 0
         self._opened: dict[tuple, torch.Tensor] = {}  # share's key -> the memory opened
+        self._registered: dict[tuple, _Registration] = {}  # targets the peer writes
+        self._seen: dict[tuple, list[Any]] = {}  # targets received into once: their storages
+        self._next_registration = 0
         self._last_recv = time.monotonic()
         _IDLE.add(self)
 
@@ -384,6 +462,7 @@ class CudaIpcTransport(OneSidedTransport):
             "received": self._expected,
             "staging_bytes": 0 if staging is None else staging.size * staging.count,
             "opened": len(self._opened), "lent": len(self._lent), "shared": len(self._shared),
+            "registered": len(self._registered), "targets": len(self._targets),
         }
 
     def _check_usable(self, what: str) -> None:
@@ -413,7 +492,7 @@ class CudaIpcTransport(OneSidedTransport):
         """Take in every ack that has come (the send lock held)."""
         while True:
             try:
-                data = self._sock.recv(4096, socket.MSG_DONTWAIT)
+                data = self._sock.recv(_PART + 64, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -427,24 +506,114 @@ class CudaIpcTransport(OneSidedTransport):
             except struct.error:
                 self._fail(ProtocolMismatchError(
                     f"cuda_ipc with {self._peer}: a malformed ack; the CUDA path is closed"))
-            if seq != self._acked or seq not in self._in_flight:
+            if status == _WRITE:
+                self._write(seq, data)
+                continue
+            if status in (_REGISTER, _REGISTERED):
+                self._take_registration(seq, data[_ACK.size:], status == _REGISTERED)
+                continue
+            if status == _RETIRE:
+                self._targets.pop(seq, None)  # closes what this end opened of them
+                continue
+            if status not in (_OK, _REFUSED):
                 self._fail(ProtocolMismatchError(
-                    f"cuda_ipc with {self._peer}: an ack of message {seq} where {self._acked} "
-                    "was due; the CUDA path is closed"))
-            self._acked += 1
-            sent = self._in_flight.pop(seq)
-            if sent.retired:  # the receiver closed them: nothing to release for it
-                gone = set(sent.retired)
-                self._shared = [s for s in self._shared
-                                if (s.ref_counter, s.ref_counter_offset) not in gone]
-            if sent.slot is not None and self._staging is not None:
-                self._staging.free.append(sent.slot)
-            if status == _REFUSED:
-                reason = data[_ACK.size:].decode(errors="replace")
-                if sent.lent:
-                    self._refused[seq] = reason
-                else:
-                    logger.warning("cuda_ipc: %s refused message %d: %s", self._peer, seq, reason)
+                    f"cuda_ipc with {self._peer}: a message of kind {status} on the link of "
+                    "this end's sends; the CUDA path is closed"))
+            self._take_ack(seq, status, data)
+
+    def _take_ack(self, seq: int, status: int, data: bytes) -> None:
+        """Message ``seq`` is taken (acks come in order): its slot comes back, what its
+        offer retired is closed on the receiver's side, a refusal is kept for its send."""
+        if seq != self._acked or seq not in self._in_flight:
+            self._fail(ProtocolMismatchError(
+                f"cuda_ipc with {self._peer}: an ack of message {seq} where {self._acked} "
+                "was due; the CUDA path is closed"))
+        self._acked += 1
+        sent = self._in_flight.pop(seq)
+        if sent.retired:  # the receiver closed them: nothing to release for it
+            gone = set(sent.retired)
+            self._shared = [s for s in self._shared
+                            if (s.ref_counter, s.ref_counter_offset) not in gone]
+        if sent.slot is not None and self._staging is not None:
+            self._staging.free.append(sent.slot)
+        if status == _REFUSED:
+            reason = data[_ACK.size:].decode(errors="replace")
+            if sent.lent:
+                self._refused[seq] = reason
+            else:
+                logger.warning("cuda_ipc: %s refused message %d: %s", self._peer, seq, reason)
+
+    # -- writing into the peer's registered tensors (the send lock held) ------------------
+
+    def _write(self, seq: int, data: bytes) -> None:
+        """The receiver asks this end to write lent message ``seq`` into its registered
+        tensors: copy on the send stream, record *ready*, say it is done (or why not;
+        the receiver then copies it out itself)."""
+        why = ""
+        try:
+            (number,) = _NUMBER.unpack_from(data, _ACK.size)
+        except struct.error:
+            number, why = -1, "a malformed write request"
+        sent = self._in_flight.get(seq)
+        target = self._targets.get(number)
+        if why:
+            pass
+        elif self.peer_gone():  # it gave up waiting (or died) since it asked: no write
+            self._lose(f"it closed the link after asking for message {seq} to be written")
+        elif sent is None or sent.views is None or seq != self._acked:
+            why = f"message {seq} is not the lent payload due to its receiver"
+        elif not isinstance(target, list):
+            why = target or f"no registration {number}"
+        elif [t.numel() for t in target] != [v.numel() for v in sent.views]:
+            why = (f"registration {number} holds tensors of {[t.numel() for t in target]} "
+                   f"bytes, the message {[v.numel() for v in sent.views]}")
+        if not why:
+            ops = self._ops
+            # The receiver's reads of its tensors are done (it recorded done after them).
+            ops.wait_event(self._send_stream, self._peer_done)
+            ops.copy(target, sent.views, self._send_stream)  # type: ignore[arg-type]
+            ops.record(self._ready, self._send_stream)  # the receiver's stream waits for it
+            sent.pushed = True  # type: ignore[union-attr]
+            self._take_ack(seq, _OK, data)  # written: the receiver acks no more
+        self._post(_ACK.pack(seq, _NOT_WRITTEN if why else _WRITTEN) + why.encode()[:2048])
+
+    def _take_registration(self, number: int, part: bytes, last: bool) -> None:
+        """A part of the receiver's registration ``number``; once whole, open what it
+        names (a registration this end cannot open is kept as the reason)."""
+        if number not in self._parts and (
+                len(self._targets) + len(self._parts) >= 2 * _MAX_REGISTRATIONS):
+            self._fail(ProtocolMismatchError(
+                f"cuda_ipc with {self._peer}: more than {2 * _MAX_REGISTRATIONS} "
+                "registrations; the CUDA path is closed"))
+        buffer = self._parts.setdefault(number, bytearray())
+        buffer += part
+        if len(buffer) > _MAX_REGISTRATION_BYTES:
+            self._fail(ProtocolMismatchError(
+                f"cuda_ipc with {self._peer}: a registration of over {len(buffer)} bytes; "
+                "the CUDA path is closed"))
+        if not last:
+            return
+        del self._parts[number]
+        try:
+            targets = _decode_targets(bytes(buffer))
+            for index, offset, n in targets.pieces:
+                if not 0 <= index < len(targets.shares) or offset < 0 or (
+                        offset + n > targets.shares[index].nbytes) or n <= 0:
+                    raise ValueError(f"a piece of {n} bytes at {offset} of allocation {index} "
+                                     "lies outside it")
+            memory = [self._ops.open(share, self._device) for share in targets.shares]
+            self._targets[number] = [memory[i][o : o + n] for i, o, n in targets.pieces]
+        except (msgspec.DecodeError, ValueError, RuntimeError) as exc:
+            self._targets[number] = f"registration {number} could not be opened ({exc})"
+
+    def _post(self, data: bytes) -> None:
+        """A message on the link of this end's sends (to the receiver)."""
+        try:
+            self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            self._lose("its link is full: it takes nothing in")
+        except OSError as exc:
+            self._lose(f"the link broke ({exc})")
 
     def _lose(self, why: str) -> None:
         error = PeerLostError(f"cuda_ipc with {self._peer}: {why}")
@@ -554,7 +723,8 @@ class CudaIpcTransport(OneSidedTransport):
             self._next_seq += 1
             sent = Sent(seq, _encode(Offer(seq, self._gpu, shares, spots, slot is not None,
                                            list(retired))),
-                        slot is None, slot, total, retired)
+                        slot is None, slot, total, retired,
+                        views=pieces if slot is None else None)
             self._in_flight[seq] = sent
             self._last_send = time.monotonic()
             return sent
@@ -612,10 +782,13 @@ class CudaIpcTransport(OneSidedTransport):
             refusal = self._refused.pop(seq, None)
         if refusal is not None:
             raise ProtocolMismatchError(f"{what} to {self._peer}: the receiver refused it: {refusal}")
+        # Written by this end into the receiver's tensors (its copy, then ready), or read
+        # by the receiver (its copy, then done).
+        read = self._ready if outgoing.pushed else self._peer_done
         if host:
-            self._ops.synchronize(self._peer_done)
+            self._ops.synchronize(read)
         else:
-            self._ops.wait_event(order, self._peer_done)
+            self._ops.wait_event(order, read)
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -640,7 +813,7 @@ class CudaIpcTransport(OneSidedTransport):
 
     def accept(
         self, offer: bytes, sizes: Sequence[int], into: Sequence[torch.Tensor] | None,
-        device: torch.device | None, order: object,
+        device: torch.device | None, order: object, deadline: float | None = None,
     ) -> list[torch.Tensor]:
         ops = self._ops
         got = decode_offer(offer, self._peer)
@@ -671,11 +844,18 @@ class CudaIpcTransport(OneSidedTransport):
                 self._ack(got.seq, refusal)
                 raise ProtocolMismatchError(f"{what}: the payload was refused: {refusal}")
             try:
-                buffers = self._copy_out(got, ops.device(local), into, device, order)
+                buffers = None
+                if into is not None and not got.staged and order is not None:
+                    buffers = self._written_by_sender(got, ops.device(local), into, order,
+                                                      deadline)
+                written = buffers is not None
+                if not written:
+                    buffers = self._copy_out(got, ops.device(local), into, device, order)
             except RuntimeError as exc:  # opening the memory or the event, or a copy
                 self._ack(got.seq, f"the receiver could not read the sender's GPU memory: {exc}")
                 raise CommError(f"{what}: reading the sender's GPU memory failed: {exc}") from exc
-            self._ack(got.seq, "")
+            if not written:  # a write the sender made stands for the ack
+                self._ack(got.seq, "")
         closing.clear()
         return buffers
 
@@ -738,20 +918,180 @@ class CudaIpcTransport(OneSidedTransport):
             ops.wait_event(order, self._done)
         return dsts
 
-    def _ack(self, seq: int, refusal: str) -> None:
-        data = _ACK.pack(seq, _REFUSED if refusal else _OK) + refusal.encode()[:2048]
+    # -- tensors the sender writes (the receive lock held) -----------------------------------
+
+    def _written_by_sender(
+        self, offer: Offer, src_device: torch.device, into: Sequence[torch.Tensor],
+        order: object, deadline: float | None,
+    ) -> list[torch.Tensor] | None:
+        """Have the sender write lent ``offer`` into ``into`` itself, when those tensors
+        are registered with it (they are the second time they are received into); the
+        buffers, ordered on ``order``, or ``None`` when the caller copies it out."""
+        ops = self._ops
+        devices = {t.device for t in into}
+        if len(devices) != 1 or ops.gpu_uuid(next(iter(devices))) != offer.gpu:
+            return None  # the sender writes memory of its own GPU only
+        dsts = [v for v in byte_views(into, f"cuda_ipc recv from {self._peer}", ops) if v.numel()]
+        number = self._registration(dsts)
+        if number is None:
+            return None
+        # What the offer names is opened all the same (once per allocation), so that its
+        # sharing ends as every lent one does: closed here when the sender frees it.
+        for share in offer.shares:
+            self._open(share, src_device)
+        stream = self._recv_stream
+        # The sender writes once the caller's work queued on the tensors so far is done:
+        # it waits for done, recorded after that work.
+        ops.wait_stream(stream, order)
+        ops.record(self._done, stream)  # what the sender's write waits for
+        self._send_back(_ACK.pack(offer.seq, _WRITE) + _NUMBER.pack(number))
+        why = self._wait_written(offer.seq, deadline)
+        if why:  # the sender could not: copy it out here, and register them no more
+            logger.info("cuda_ipc: %s did not write message %d into registered tensors (%s)",
+                        self._peer, offer.seq, why)
+            self._retire([k for k, r in self._registered.items() if r.number == number])
+            return None
+        ops.wait_event(order, self._peer_ready)  # the sender's copy is done first
+        return dsts
+
+    def _registration(self, dsts: list[torch.Tensor]) -> int | None:
+        """The number of the registration of ``dsts`` with the sender, made the second
+        time they are received into (``None`` before, and for tensors in no storage)."""
+        ops = self._ops
+        if not dsts:
+            return None
+        key = tuple((*ops.storage_key(v), ops.storage_offset(v), v.numel()) for v in dsts)
+        known = self._registered.get(key)
+        if known is not None:
+            if known.number < 0:
+                return None  # they could not be shared
+            if not any(ops.expired(ref) for ref in known.refs):
+                return known.number
+            self._retire([key])  # a storage was freed: its address means nothing now
+        # The same storages a second time (not new ones at the same addresses, as a
+        # caching allocator hands out: those would be registered and retired each time).
+        seen = self._seen.pop(key, None)
+        alive = seen is not None and not any(ops.expired(ref) for ref in seen)
+        for ref in seen or ():
+            ops.free_weak_ref(ref)
+        if not alive:
+            if len(self._seen) >= 4 * _MAX_REGISTRATIONS:
+                self._forget_seen()
+            firsts = {ops.storage_key(v): v for v in dsts}
+            self._seen[key] = [ops.weak_ref(v) for v in firsts.values()]
+            return None
+        if len(self._registered) >= _MAX_REGISTRATIONS:
+            return None
+        shares: list[Share] = []
+        refs: list[Any] = []
+        index: dict[tuple[int, int], int] = {}
+        pieces = []
         try:
-            self._sock.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:  # the sender has not taken its acks in for a while
+            for v in dsts:
+                storage = ops.storage_key(v)
+                at = index.get(storage)
+                if at is None:
+                    at = index[storage] = len(shares)
+                    shares.append(ops.share(v))
+                    refs.append(ops.weak_ref(v))
+                pieces.append((at, ops.storage_offset(v), v.numel()))
+        except RuntimeError as exc:  # memory that cannot be shared (another allocator's)
+            logger.info("cuda_ipc: tensors received into from %s cannot be shared (%s); "
+                        "they are copied into here", self._peer, exc)
+            for share in shares:
+                ops.release(share)
+            for ref in refs:
+                ops.free_weak_ref(ref)
+            self._registered[key] = _Registration(-1, [], [])  # never asked again
+            return None
+        number = self._next_registration
+        self._next_registration += 1
+        self._registered[key] = _Registration(number, refs, shares)
+        data = _encode(Targets(shares, pieces))
+        for start in range(0, len(data), _PART):
+            last = start + _PART >= len(data)
+            self._send_back(_ACK.pack(number, _REGISTERED if last else _REGISTER)
+                            + data[start : start + _PART])
+        return number
+
+    def _forget_seen(self) -> None:
+        seen, self._seen = self._seen, {}
+        for refs in seen.values():
+            for ref in refs:
+                self._ops.free_weak_ref(ref)
+
+    def _retire(self, keys: list[tuple]) -> None:
+        """End the registrations at ``keys``: the sender closes what it opened of them."""
+        for key in keys:
+            known = self._registered.pop(key, None)
+            if known is None:
+                continue
+            for ref in known.refs:
+                self._ops.free_weak_ref(ref)
+            if self.usable and known.number >= 0:
+                self._send_back(_ACK.pack(known.number, _RETIRE))
+
+    def _wait_written(self, seq: int, deadline: float | None) -> str:
+        """Wait for the sender's word on writing message ``seq``: "" once written, else
+        why not.
+
+        Raises:
+            CommTimeoutError: no word by ``deadline`` (the CUDA path is then closed).
+            PeerLostError: the sender is gone.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + get_settings().comm_timeout
+        what = f"cuda_ipc recv of message {seq} from {self._peer} (written by the sender)"
+        while True:
             try:
-                self._sock.settimeout(10.0)
-                self._sock.send(data)
+                data = self._back.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._failed = CommTimeoutError(f"{what}: the sender did not write it in time")
+                    try:  # no later write: the sender sees this link end
+                        self._back.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    raise self._failed from None
+                self._back_poller.poll(max(1, int(remaining * 1000)))
+                if self._closed:
+                    raise PeerLostError(f"{what}: the connection was closed") from None
+                continue
+            except OSError as exc:
+                self._failed = PeerLostError(f"{what}: the link broke ({exc})")
+                raise self._failed from exc
+            if not data:
+                self._failed = PeerLostError(f"{what}: its process is gone")
+                raise self._failed
+            try:
+                got, status = _ACK.unpack_from(data)
+            except struct.error:
+                got, status = -1, -1
+            if got != seq or status not in (_WRITTEN, _NOT_WRITTEN):
+                self._failed = ProtocolMismatchError(
+                    f"{what}: a message of kind {status} for message {got} came instead; the "
+                    "CUDA path is closed")
+                raise self._failed
+            return "" if status == _WRITTEN else data[_ACK.size:].decode(errors="replace")
+
+    def _send_back(self, data: bytes) -> None:
+        """A message on the link of this end's receives (to the sender)."""
+        try:
+            self._back.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:  # the sender has not taken its link's messages in for a while
+            try:
+                self._back.settimeout(10.0)
+                self._back.send(data)
             except OSError as exc:
                 raise map_error(exc, "cuda_ipc ack", self._peer) from exc
             finally:
-                self._sock.settimeout(None)
+                self._back.settimeout(None)
         except OSError as exc:
             raise PeerLostError(f"cuda_ipc ack to {self._peer}: the peer is gone ({exc})") from exc
+
+    def _ack(self, seq: int, refusal: str) -> None:
+        self._send_back(_ACK.pack(seq, _REFUSED if refusal else _OK) + refusal.encode()[:2048])
 
     # -- lifetimes ------------------------------------------------------------------------------
 
@@ -772,6 +1112,11 @@ class CudaIpcTransport(OneSidedTransport):
             try:
                 if self._opened and now - self._last_recv >= after:
                     opened, self._opened = self._opened, {}
+                # Registered tensors freed since: the sender lets go of them.
+                self._retire([key for key, known in self._registered.items()
+                              if any(self._ops.expired(ref) for ref in known.refs)])
+            except CommError:
+                pass  # the peer is gone: its next op says so
             finally:
                 self._recv_lock.release()
         opened.clear()  # closed without the lock
@@ -781,10 +1126,11 @@ class CudaIpcTransport(OneSidedTransport):
             return
         self._closed = True
         _IDLE.discard(self)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a send waiting for an ack
-        except OSError:
-            pass
+        for sock in (self._sock, self._back):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a wait for an ack or a write
+            except OSError:
+                pass
         with self._send_lock:
             shared, self._shared = self._shared, []
             if lost:
@@ -795,10 +1141,22 @@ class CudaIpcTransport(OneSidedTransport):
             self._lent.clear()
             self._staging = None
             self._in_flight.clear()
+            targets, self._targets = self._targets, {}
+            self._parts.clear()
         with self._recv_lock:
             opened, self._opened = self._opened, {}
+            registered, self._registered = self._registered, {}
+            self._forget_seen()
+        for known in registered.values():
+            for ref in known.refs:
+                self._ops.free_weak_ref(ref)
+            if lost:  # what the dead sender held open of these tensors
+                for share in known.shares:
+                    self._ops.release(share)
         opened.clear()
+        targets.clear()
         self._sock.close()
+        self._back.close()
         try:
             self._ops.collect()
         except RuntimeError:

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports.cuda_device import CUDA, DeviceOps, Share
-from rlcomm.comm.transports.cuda_ipc import byte_views, connect_link
+from rlcomm.comm.transports.cuda_ipc import byte_views, connect_link, sub_store_of
 from rlcomm.errors import (
     CommError,
     CommTimeoutError,
@@ -479,14 +479,6 @@ class PushSource:
         with self._lock:
             for name in list(self._receivers):
                 self._drop(name)
-
-
-def sub_store_of(store: dist.Store, prefix: str) -> dist.Store:
-    """``store`` with keys under ``prefix`` (a prefixed view where the store has one)."""
-    prefixed = getattr(store, "prefixed", None)
-    if prefixed is not None:
-        return prefixed(prefix)
-    return dist.PrefixStore(prefix, store)
 
 
 # -- the receiver's side -------------------------------------------------------------------
