@@ -23,6 +23,7 @@ from rlcomm import (
     Worker,
 )
 from rlcomm.comm import codec
+from rlcomm.comm.bucket_iter import Buckets
 from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
 from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.sender import DeviceOrder
@@ -860,3 +861,20 @@ def test_gpu_info_without_cuda_in_use_initializes_nothing():
     assert set(info) == {"device", "gpu", "visible", "mps"} and isinstance(info["mps"], bool)
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         assert info["device"] is None and info["gpu"] is None and info["visible"] == []
+
+
+@pytest.mark.parametrize("lent", [False, True], ids=["staged", "lent"])
+def test_a_cuda_message_is_taken_as_an_iterator(linked, lent):
+    """recv(into=Buckets()) of a CUDA payload yields every tensor, ordered on the
+    caller's stream. (Shards convert and slice with torch ops, which this layer runs on
+    the host at once, not on a stream: test_gpu_sync.py has them on a GPU.)"""
+    a, b, _ = linked
+    n = 64 if lent else 8  # 64 x 64 floats are lent past the 4 KiB slots
+    sent = [torch.randn(n, n), torch.arange(float(n))]
+    sender = threading.Thread(target=_send_device, args=(a, sent))
+    sender.start()
+    got = list(b.recv_object(b.take_ticket(), 10, None, Buckets()))
+    sender.join(timeout=10)
+    b._cuda._ops.current.synchronize()  # what the host sees (a GPU's reads queue after)
+    assert [name for name, _ in got] == ["0", "1"]
+    assert all(torch.equal(t, s) for (_, t), s in zip(got, sent))

@@ -11,6 +11,7 @@ import signal
 import pytest
 import torch
 
+import rlcomm
 from rlcomm import CollectiveGroupOptions, PackedPlacementStrategy, Worker
 from rlcomm.comm.identity.address import WorkerAddress
 from tests.waiting import wait_for
@@ -96,6 +97,17 @@ class Syncer(Worker):
                 ok = ok and got is self.params
             ok = ok and all(bool((v == step + i).all()) for i, v in enumerate(got.values()))
         return ok
+
+    def pull_parts(self, group, rank):
+        """Receive one sync as an iterator, then one as shards (half of each layer's
+        elements, in float32): check both against the values push() sends (step 0)."""
+        named = dict(self.recv(group, rank, into=rlcomm.Buckets()))
+        whole = all(bool((named[f"layer{i}"] == i).all()) for i in range(len(named)))
+        shards = {f"layer{i}": rlcomm.Shard(0, 1, 2, dtype=torch.float32) for i in range(8)}
+        got = self.recv(group, rank, shards=shards)
+        halves = all(v.dtype == torch.float32 and v.numel() == LENT // 4
+                     and bool((v == i).all()) for i, v in enumerate(got.values()))
+        return whole, halves
 
     def pull_small(self, group, rank, count):
         return [int(self.recv(group, rank)["i"]) for _ in range(count)] == list(range(count))
@@ -183,6 +195,14 @@ def test_a_weight_sync_lands_in_the_receivers_parameters(pair):
     assert pulled.wait(timeout=120) == [True]
     assert trainer.push_small("gsync_1", 0, 50).wait(timeout=120) == [True]  # no receiver yet
     assert rollout.pull_small("gsync_0", 0, 50).wait(timeout=120) == [True]
+
+
+def test_a_cuda_sync_is_taken_as_an_iterator_and_as_shards(pair):
+    trainer, rollout = pair
+    parts = rollout.pull_parts("gsync_0", 0)
+    assert trainer.push("gsync_1", 0, 1).wait(timeout=120) == [True]
+    assert trainer.push("gsync_1", 0, 1).wait(timeout=120) == [True]
+    assert parts.wait(timeout=120) == [(True, True)]
 
 
 @pytest.mark.parametrize("nbytes", [4096, 64 << 20], ids=["staged", "lent"])
