@@ -273,6 +273,10 @@ def test_registered_tensors_the_receiver_frees_are_let_go_by_the_sender(ipc):
     assert b.stats()["registered"] == 0
     wait_for(lambda: a.stats()["targets"] == 0, "the sender takes the retirement in", 10)
     assert dev_a.opened == 0 and held(share) == 0
+    assert len(dev_b._limbo) == 1  # freed while the sender held it: kept aside
+    b.release_idle(time.monotonic(), 3600)  # the next pass collects it
+    assert dev_b._limbo == [] and dev_b.tensor(torch.zeros(4096)) is not None
+    assert dev_b.reused == 1  # the receiver's allocator has that memory again
 
 
 def _written_twice(a, b, dev_a) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

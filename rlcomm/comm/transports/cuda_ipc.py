@@ -435,6 +435,7 @@ class CudaIpcTransport(OneSidedTransport):
         self._registered: dict[tuple, _Registration] = {}  # targets the peer writes
         self._seen: dict[tuple, list[Any]] = {}  # targets received into once: their storages
         self._next_registration = 0
+        self._collect_due = False  # registrations of freed tensors were retired
         self._last_recv = time.monotonic()
         _IDLE.add(self)
 
@@ -1112,9 +1113,15 @@ class CudaIpcTransport(OneSidedTransport):
             try:
                 if self._opened and now - self._last_recv >= after:
                     opened, self._opened = self._opened, {}
-                # Registered tensors freed since: the sender lets go of them.
-                self._retire([key for key, known in self._registered.items()
-                              if any(self._ops.expired(ref) for ref in known.refs)])
+                if self._collect_due:  # the sender has had a pass to close them
+                    self._collect_due = False
+                    self._ops.collect()
+                # Registered tensors freed since: the sender lets go of them, and their
+                # memory is this end's again (collected on the next pass).
+                freed = [key for key, known in self._registered.items()
+                         if any(self._ops.expired(ref) for ref in known.refs)]
+                self._retire(freed)
+                self._collect_due = bool(freed)
             except CommError:
                 pass  # the peer is gone: its next op says so
             finally:
