@@ -228,6 +228,15 @@ def _each(group, calls):
     return {r: h.wait(timeout=120)[0] for r, h in handles.items()}
 
 
+def test_a_pushed_sync_of_cpu_tensors_is_refused_naming_the_tensor_and_what_to_use(group):
+    one = group.execute_on(0)
+    push = one.attempt("weight_pusher", {"w": torch.zeros(4)}, [("nobody", 0)]).wait(timeout=60)
+    take = one.attempt("pushed_weights", [torch.zeros(4)], ("nobody", 0)).wait(timeout=60)
+    assert push[0][0] == take[0][0] == "ValueError"
+    assert "'w' is on cpu; a pushed weight sync writes CUDA tensors" in push[0][1]
+    assert "use broadcast(into=...)" in push[0][1] and "'0' is on cpu" in take[0][1]
+
+
 def test_a_broadcast_past_the_pool_streams_to_every_receiver_as_it_asks(group):
     got = _each(group, {
         0: ("source", (1,), {}),
