@@ -29,7 +29,7 @@ from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.store.client import StoreClient, StoreServer, sub_store
-from rlcomm.comm.transports import gpus, registry
+from rlcomm.comm.transports import cuda_ipc, gpus, registry
 from rlcomm.comm.transports.cuda_ipc import (
     ALIGN,
     CudaIpcTransport,
@@ -882,3 +882,16 @@ def test_a_cuda_message_is_taken_as_an_iterator(linked, lent):
     b._cuda._ops.current.synchronize()  # what the host sees (a GPU's reads queue after)
     assert [name for name, _ in got] == ["0", "1"]
     assert all(torch.equal(t, s) for (_, t), s in zip(got, sent))
+
+
+def test_a_staged_offer_is_decoded_once(linked, monkeypatch):
+    """The reader asks whether to copy a staged message out at once, then copies it: one
+    decode of its offer for both."""
+    a, b, _ = linked
+    calls = []
+    real = cuda_ipc.decode_offer
+    monkeypatch.setattr(cuda_ipc, "decode_offer", lambda data, peer: calls.append(1) or real(data, peer))
+    for i in range(3):
+        _send_device(a, [torch.full((16,), float(i))])
+        assert int(_received(b)[0][0]) == i
+    assert len(calls) == 3

@@ -436,6 +436,7 @@ class CudaIpcTransport(OneSidedTransport):
         self._seen: dict[tuple, list[Any]] = {}  # targets received into once: their storages
         self._next_registration = 0
         self._collect_due = False  # registrations of freed tensors were retired
+        self._last_offer: tuple[bytes, Offer] | None = None  # see _decoded
         self._last_recv = time.monotonic()
         _IDLE.add(self)
 
@@ -817,7 +818,7 @@ class CudaIpcTransport(OneSidedTransport):
         device: torch.device | None, order: object, deadline: float | None = None,
     ) -> list[torch.Tensor]:
         ops = self._ops
-        got = decode_offer(offer, self._peer)
+        got = self._decoded(offer)
         closing: list = []  # what the sender freed: closed at the end, without the lock
         with self._recv_lock:
             self._check_usable("cuda_ipc recv")
@@ -860,6 +861,16 @@ class CudaIpcTransport(OneSidedTransport):
         closing.clear()
         return buffers
 
+    def _decoded(self, offer: bytes) -> Offer:
+        """``offer`` decoded, once: the reader asks whether to copy a message out at once
+        and then copies it, both from the same bytes."""
+        last = self._last_offer
+        if last is not None and last[0] is offer:
+            return last[1]
+        got = decode_offer(offer, self._peer)
+        self._last_offer = (offer, got)
+        return got
+
     def current_order(self, device: torch.device | None) -> object:
         return self._ops.current_stream(device or self._device)
 
@@ -868,12 +879,12 @@ class CudaIpcTransport(OneSidedTransport):
 
     def copies_at_once(self, offer: bytes) -> bool:
         # A staged payload holds one of the sender's slots until it is copied out.
-        return decode_offer(offer, self._peer).staged
+        return self._decoded(offer).staged
 
     def refuse(self, offer: bytes, reason: str) -> None:
         """Turn the received ``offer`` down (the receiver cannot take it: ``reason``),
         telling the sender, whose send then raises that reason."""
-        got = decode_offer(offer, self._peer)
+        got = self._decoded(offer)
         closing: list = []
         with self._recv_lock:
             self._check_usable("cuda_ipc recv")
