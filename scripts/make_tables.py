@@ -447,6 +447,19 @@ def render_channel() -> str:
                          ratio(ours["items_per_s"] / theirs["items_per_s"]) if theirs else "-"])
     out = caption("bench_channel.py", "bench_channel.json", data)
     out += table(["items/s", "rlcomm channel", "ray.util.queue", "rlcomm faster"], rows)
+    graph_rows = []
+    for kind in kinds:
+        for mode, label in (("one", "one at a time"), ("pipelined", "pipelined")):
+            ours, theirs = tp.get(("rlcomm", mode, kind)), tp.get(("ray compiled graph", mode, kind))
+            if ours is not None and theirs is not None:
+                if mode == "pipelined":
+                    label += f" ({theirs['batch']} in flight; rlcomm: async puts)"
+                graph_rows.append([f"{kind}, {label}", num(ours["items_per_s"]),
+                                   num(theirs["items_per_s"]),
+                                   ratio(ours["items_per_s"] / theirs["items_per_s"])])
+    if graph_rows:
+        out += "\n\n" + table(
+            ["items/s", "rlcomm channel", "Ray Compiled Graph", "rlcomm faster"], graph_rows)
     lat = data.get("latency") or []
     if lat:
         out += "\n\n" + table(
