@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlcomm.comm.broadcast.group import expand_groups
 from rlcomm.comm.identity.address import WorkerAddress
 from rlcomm.comm.manager import CommManager
 from rlcomm.comm.options import default_timeout
@@ -57,13 +58,39 @@ class WeightPusher:
     :meth:`rlcomm.Worker.weight_pusher`): each :meth:`push` writes the registered
     receivers' tensors from this worker's, on the GPU, from this process."""
 
-    def __init__(self, source: PushSource, address: WorkerAddress, name: str):
+    def __init__(self, source: PushSource, manager: CommManager, name: str):
         self._source = source
-        self._address = address
+        self._manager = manager
+        self._address = manager.address
         self._name = name
 
     def __repr__(self) -> str:
         return f"WeightPusher({self._name!r} at {self._address}, {self._source!r})"
+
+    def add_receivers(self, to: list[tuple[str, Any]], timeout: float | None = None) -> None:
+        """Take in the registrations of the workers ``to`` (a list of ``(group_name,
+        ranks)``, as :meth:`~rlcomm.Worker.broadcast`'s ``groups``; each calls
+        :meth:`~rlcomm.Worker.pushed_weights` meanwhile): a receiver that joins late, or
+        comes back after a restart. Each gets the next push on; one registered already is
+        replaced.
+
+        Raises:
+            ValueError: a worker is on another node.
+            ProtocolMismatchError: its tensors do not match these (both ends raise).
+            CommTimeoutError: it did not register within ``timeout``.
+        """
+        what = f"weight_pusher {self._name!r} at {self._address}"
+        deadline = _deadline(timeout)
+        manager = self._manager
+        for peer in expand_groups(to):
+            ep = manager.peer_endpoint(peer)
+            _same_node(manager, peer, ep, what)
+            store, _ = manager.pair_store(self._address, f"push/{self._name}/{peer}",
+                                          max(0.01, deadline - time.monotonic()))
+            try:
+                self._source.attach(store, str(peer), ep.pid, deadline)
+            finally:
+                _close(store)
 
     @property
     def version(self) -> int:
@@ -149,7 +176,7 @@ class PushedWeights:
 
 
 def weight_pusher(
-    manager: CommManager, tensors: Any, receivers: list[WorkerAddress], name: str,
+    manager: CommManager, tensors: Any, receivers: list[tuple[str, Any]], name: str,
     timeout: float | None,
 ) -> WeightPusher:
     """See :meth:`rlcomm.Worker.weight_pusher`."""
@@ -158,22 +185,13 @@ def weight_pusher(
     device = _check_cuda(named, what)
     if not receivers:
         raise ValueError(f"{what}: no receivers")
-    source = PushSource(named, device)
-    deadline = _deadline(timeout)
+    pusher = WeightPusher(PushSource(named, device), manager, name)
     try:
-        for peer in receivers:
-            ep = manager.peer_endpoint(peer)
-            _same_node(manager, peer, ep, what)
-            store, _ = manager.pair_store(manager.address, f"push/{name}/{peer}",
-                                          max(0.01, deadline - time.monotonic()))
-            try:
-                source.attach(store, str(peer), ep.pid, deadline)
-            finally:
-                _close(store)
+        pusher.add_receivers(receivers, timeout)
     except BaseException:
-        source.close()
+        pusher.close()
         raise
-    return WeightPusher(source, manager.address, name)
+    return pusher
 
 
 def _close(store: Any) -> None:

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from rlcomm.comm.broadcast.group import expand_groups
 from rlcomm.comm.buckets import MIN_BUCKET
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.manager import CommManager
@@ -486,7 +485,7 @@ class Worker:
                 raise, naming the tensor), or it is on another GPU.
             CommTimeoutError: a receiver did not register in time.
         """
-        return weight_pusher(self._comm, tensors, expand_groups(to), name, timeout)
+        return weight_pusher(self._comm, tensors, to, name, timeout)
 
     def pushed_weights(
         self,

@@ -449,3 +449,19 @@ def test_named_tensors_takes_a_dict_a_list_or_one_tensor():
         named_tensors({}, "x")
     with pytest.raises(TypeError, match="got str"):
         named_tensors("w", "x")
+
+
+def test_a_receiver_that_registers_after_some_pushes_takes_the_next_one(job):
+    for step in (1, 2):
+        job.write(float(step))
+        job.push()
+        for i in range(2):
+            job.update(i)
+            job.release(i)
+    dev = FakeDevice()
+    job.add("late", dev, {"w": dev.tensor(torch.zeros(64)), "b": dev.tensor(torch.zeros(8, 4))})
+    assert job.targets[2].version == 2
+    job.write(3.0)
+    assert job.push() == 3
+    assert [job.update(i) for i in range(3)] == [3, 3, 3]
+    assert torch.equal(job.seen(2, "w"), torch.full((64,), 3.0))

@@ -133,6 +133,10 @@ class Syncer(Worker):
         self.target = self.pushed_weights(self.params, src=src, timeout=60)
         return self.target.version
 
+    def add_receivers(self, to):
+        self.pusher.add_receivers(to, timeout=60)
+        return sorted(self.pusher.receivers)
+
     def push_versions(self, count):
         """Push ``count`` versions: version k holds k + i in layer i. Returns the
         versions, or the error of the push that failed (its type and peer)."""
@@ -297,7 +301,8 @@ def test_a_pushed_sync_writes_each_receivers_parameters_from_the_trainer(cluster
 
 
 def test_a_pushed_sync_goes_on_without_a_receiver_that_was_killed(cluster):
-    trainer, victim, rollout = _launch(cluster, "gpkill", 3)
+    groups = _launch(cluster, "gpkill", 3)
+    trainer, victim, rollout = groups
     try:
         targets = [r.make_target(("gpkill_0", 0)) for r in (victim, rollout)]
         trainer.make_pusher([("gpkill_1", 0), ("gpkill_2", 0)]).wait(timeout=120)
@@ -310,6 +315,16 @@ def test_a_pushed_sync_goes_on_without_a_receiver_that_was_killed(cluster):
         pushed = trainer.push_versions(2).wait(timeout=120)[0]
         assert pushed == [("PeerLostError", "gpkill_1:0"), 3], pushed
         assert taken.wait(timeout=120) == [(True, 3)]
+        # A rollout in the victim's place joins: it gets the next push on.
+        (late,) = _launch(cluster, "gpkill_late", 1)
+        groups.append(late)
+        target = late.make_target(("gpkill_0", 0))
+        assert trainer.add_receivers([("gpkill_late_0", 0)]).wait(timeout=120) == [
+            ["gpkill_2:0", "gpkill_late_0:0"]]
+        assert target.wait(timeout=120) == [3]
+        takes = [r.take_versions(1) for r in (rollout, late)]
+        assert trainer.push_versions(1).wait(timeout=120) == [[4]]
+        assert [t.wait(timeout=120) for t in takes] == [[(True, 4)], [(True, 4)]]
     finally:
-        for g in (trainer, victim, rollout):
+        for g in groups:
             g.shutdown()

@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 #: A link message: its kind and a version number.
 _MESSAGE = struct.Struct("<BQ")
-_VERSION, _FREE, _CLOSE = 1, 2, 3
+_VERSION, _FREE, _CLOSE, _BASE = 1, 2, 3, 4  # _BASE: the version a receiver starts at
 #: The most tensors one registration may name.
 MAX_TENSORS = 1 << 20
 
@@ -359,8 +359,16 @@ class PushSource:
                 link.close()
                 raise PeerLostError(f"{what}: the source was closed", peer=peer, op="push")
             old = self._receivers.pop(peer, None)
-            self._receivers[peer] = _Receiver(link, opened, pairs, free)
-            self._receivers[peer].released = self._version
+            receiver = _Receiver(link, opened, pairs, free)
+            # It holds the last version's number from now on (nothing of it yet: its
+            # first update is the next push).
+            receiver.released = self._version
+            try:
+                link.post(_BASE, self._version)
+            except PeerLostError:
+                link.close()
+                raise
+            self._receivers[peer] = receiver
         if old is not None:
             old.link.close()
 
@@ -489,7 +497,7 @@ class PushTarget:
     docstring). Made by :func:`register`."""
 
     def __init__(self, ops: DeviceOps, link: _Link, tensors: dict[str, torch.Tensor],
-                 free: Any, ready: Any, shares: list[Share], peer: str):
+                 free: Any, ready: Any, shares: list[Share], peer: str, version: int = 0):
         self._ops = ops
         self._link = link
         self._tensors = tensors  # kept alive while registered
@@ -498,7 +506,7 @@ class PushTarget:
         self._shares = shares
         self._peer = peer
         self._lock = threading.Lock()
-        self._version = 0
+        self._version = version  # the last version pushed before it registered, or 0
         self._released = True  # registering released the tensors for the first push
         self._failed: CommError | None = None
         self._closed = False
@@ -658,4 +666,15 @@ def register(
             raise
         raise ProtocolMismatchError(f"weight registration with {peer}: a bad answer ({exc})",
                                     peer=peer, op="register") from exc
-    return PushTarget(ops, link, dict(tensors), free, ready, shares, peer)
+    try:
+        kind, base = link.read(deadline, f"weight registration with {peer}")
+        if kind != _BASE:
+            raise ProtocolMismatchError(f"weight registration with {peer}: a message of kind "
+                                        f"{kind} came before the version to start at",
+                                        peer=peer, op="register")
+    except CommError:
+        link.close()
+        for share in shares:
+            ops.release(share)
+        raise
+    return PushTarget(ops, link, dict(tensors), free, ready, shares, peer, base)
