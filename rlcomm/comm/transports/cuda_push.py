@@ -194,8 +194,9 @@ class _Link:
         self._poller.register(sock, select.POLLIN)
 
     def post(self, kind: int, version: int) -> None:
+        # At most a message or two wait on either side: a full link means a stuck peer.
         try:
-            self.sock.send(_MESSAGE.pack(kind, version))
+            self.sock.send(_MESSAGE.pack(kind, version), socket.MSG_DONTWAIT)
         except OSError as exc:
             raise PeerLostError(f"weight push with {self.peer}: the peer is gone ({exc})",
                                 peer=self.peer, op="push") from exc
