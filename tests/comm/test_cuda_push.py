@@ -419,8 +419,8 @@ _SOURCES = {"w": torch.zeros(16), "b": torch.zeros(2, 2, dtype=torch.bfloat16)}
     (TensorSpec("w", "float32", [4, 4], 0, 0, 64), "(4, 4) at the receiver"),
     (TensorSpec("w", "float32", [16], 0, 0, 60), "60 bytes do not fit"),
     (TensorSpec("w", "float32", [16], 1, 0, 64), "names allocation 1 of 1"),
-    (TensorSpec("w", "float32", [16], 0, 1000, 64), "lie outside its allocation of 1024"),
-    (TensorSpec("w", "float32", [16], 0, -64, 64), "lie outside"),
+    (TensorSpec("w", "float32", [16], 0, 1000, 64), "lies outside its allocation of 1024"),
+    (TensorSpec("w", "float32", [16], 0, -64, 64), "lies outside"),
     (TensorSpec("b", "bfloat16", [2, 2], 0, 64, 8), ""),
 ])
 def test_a_registration_is_checked_against_the_sources_tensors(spec, reason):

@@ -73,7 +73,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,19 +236,25 @@ def byte_views(tensors: Sequence[torch.Tensor], what: str, ops: DeviceOps = CUDA
     return views
 
 
+def pieces_outside(shares: Sequence[Share], pieces: Iterable[tuple[int, int, int]]) -> str:
+    """Why one of ``pieces`` (share index, byte offset, bytes) does not lie inside the
+    allocation of ``shares`` it names ("" when all do)."""
+    for index, offset, n in pieces:
+        if not 0 <= index < len(shares):
+            return f"a piece names allocation {index} of {len(shares)}"
+        if n < 0 or offset < 0 or offset + n > shares[index].nbytes:
+            return (f"a piece of {n} bytes at {offset} lies outside its allocation of "
+                    f"{shares[index].nbytes} bytes")
+    return ""
+
+
 def check_pieces(offer: Offer, sizes: Sequence[int]) -> str:
     """Why ``offer`` cannot fill tensors of ``sizes`` bytes ("" when it can)."""
     want = [n for n in sizes if n]
     got = [n for _, _, n in offer.pieces]
     if got != want:
         return f"it holds tensors of {got} bytes but the receiver's buffers are {want} bytes"
-    for index, offset, n in offer.pieces:
-        if not 0 <= index < len(offer.shares):
-            return f"a piece names allocation {index} of {len(offer.shares)}"
-        if offset < 0 or offset + n > offer.shares[index].nbytes:
-            return (f"a piece of {n} bytes at {offset} lies outside its allocation of "
-                    f"{offer.shares[index].nbytes} bytes")
-    return ""
+    return pieces_outside(offer.shares, offer.pieces)
 
 
 # -- the link ----------------------------------------------------------------------------------
@@ -598,11 +604,9 @@ class CudaIpcTransport(OneSidedTransport):
         del self._parts[number]
         try:
             targets = _decode_targets(bytes(buffer))
-            for index, offset, n in targets.pieces:
-                if not 0 <= index < len(targets.shares) or offset < 0 or (
-                        offset + n > targets.shares[index].nbytes) or n <= 0:
-                    raise ValueError(f"a piece of {n} bytes at {offset} of allocation {index} "
-                                     "lies outside it")
+            outside = pieces_outside(targets.shares, targets.pieces)
+            if outside:
+                raise ValueError(outside)
             memory = [self._ops.open(share, self._device) for share in targets.shares]
             self._targets[number] = [memory[i][o : o + n] for i, o, n in targets.pieces]
         except (msgspec.DecodeError, ValueError, RuntimeError) as exc:

@@ -55,7 +55,12 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.transports.cuda_device import CUDA, DeviceOps, Share
-from rlcomm.comm.transports.cuda_ipc import byte_views, connect_link, sub_store_of
+from rlcomm.comm.transports.cuda_ipc import (
+    byte_views,
+    connect_link,
+    pieces_outside,
+    sub_store_of,
+)
 from rlcomm.errors import (
     CommError,
     CommTimeoutError,
@@ -163,11 +168,10 @@ def check_registration(
                     f"{_dtype_name(src.dtype)} {tuple(src.shape)} at the source")
         if spec.nbytes != src.numel() * src.element_size():
             return f"{spec.name!r}: {spec.nbytes} bytes do not fit its dtype and shape"
-        if spec.nbytes and not 0 <= spec.share < len(reg.shares):
-            return f"{spec.name!r} names allocation {spec.share} of {len(reg.shares)}"
-        if spec.nbytes and (spec.offset < 0 or spec.offset + spec.nbytes > reg.shares[spec.share].nbytes):
-            return (f"{spec.name!r}: {spec.nbytes} bytes at {spec.offset} lie outside its "
-                    f"allocation of {reg.shares[spec.share].nbytes} bytes")
+        pieces = [(spec.share, spec.offset, spec.nbytes)] if spec.nbytes else []
+        outside = pieces_outside(reg.shares, pieces)
+        if outside:
+            return f"{spec.name!r}: {outside}"
     return ""
 
 
