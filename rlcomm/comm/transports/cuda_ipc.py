@@ -260,6 +260,30 @@ def check_pieces(offer: Offer, sizes: Sequence[int]) -> str:
 # -- the link ----------------------------------------------------------------------------------
 
 
+def recv_within(sock: socket.socket, poller: select.poll, deadline: float | None) -> bytes | None:
+    """The next message on the link ``sock`` (``b""`` once its peer closed it), or
+    ``None`` when none came by ``deadline``. A reset (the peer closed with messages of
+    this end unread) is reported by the kernel once, before what the peer sent: it is
+    passed over.
+
+    Raises:
+        OSError: the link broke.
+    """
+    reset = False
+    while True:
+        try:
+            return sock.recv(_PART + 64, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            poller.poll(None if remaining is None else max(1, int(remaining * 1000)))
+        except ConnectionResetError:
+            if reset:
+                raise
+            reset = True
+
+
 def connect_link(
     store: dist.Store, rank: int, hello: bytes, deadline: float, peer: str,
     peer_pid: int | None,
@@ -1058,38 +1082,32 @@ class CudaIpcTransport(OneSidedTransport):
         if deadline is None:
             deadline = time.monotonic() + get_settings().comm_timeout
         what = f"cuda_ipc recv of message {seq} from {self._peer} (written by the sender)"
-        while True:
-            try:
-                data = self._back.recv(4096, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._failed = CommTimeoutError(f"{what}: the sender did not write it in time")
-                    try:  # no later write: the sender sees this link end
-                        self._back.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    raise self._failed from None
-                self._back_poller.poll(max(1, int(remaining * 1000)))
-                if self._closed:
-                    raise PeerLostError(f"{what}: the connection was closed") from None
-                continue
-            except OSError as exc:
-                self._failed = PeerLostError(f"{what}: the link broke ({exc})")
-                raise self._failed from exc
-            if not data:
-                self._failed = PeerLostError(f"{what}: its process is gone")
-                raise self._failed
-            try:
-                got, status = _ACK.unpack_from(data)
-            except struct.error:
-                got, status = -1, -1
-            if got != seq or status not in (_WRITTEN, _NOT_WRITTEN):
-                self._failed = ProtocolMismatchError(
-                    f"{what}: a message of kind {status} for message {got} came instead; the "
-                    "CUDA path is closed")
-                raise self._failed
-            return "" if status == _WRITTEN else data[_ACK.size:].decode(errors="replace")
+        try:
+            data = recv_within(self._back, self._back_poller, deadline)
+        except OSError as exc:
+            self._failed = PeerLostError(f"{what}: the link broke ({exc})")
+            raise self._failed from exc
+        if data is None:
+            self._failed = CommTimeoutError(f"{what}: the sender did not write it in time")
+            try:  # no later write: the sender sees this link end
+                self._back.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            raise self._failed
+        if not data:
+            self._failed = PeerLostError(
+                f"{what}: {'the connection was closed' if self._closed else 'its process is gone'}")
+            raise self._failed
+        try:
+            got, status = _ACK.unpack_from(data)
+        except struct.error:
+            got, status = -1, -1
+        if got != seq or status not in (_WRITTEN, _NOT_WRITTEN):
+            self._failed = ProtocolMismatchError(
+                f"{what}: a message of kind {status} for message {got} came instead; the CUDA "
+                "path is closed")
+            raise self._failed
+        return "" if status == _WRITTEN else data[_ACK.size:].decode(errors="replace")
 
     def _send_back(self, data: bytes) -> None:
         """A message on the link of this end's receives (to the sender)."""

@@ -59,6 +59,7 @@ from rlcomm.comm.transports.cuda_ipc import (
     byte_views,
     connect_link,
     pieces_outside,
+    recv_within,
     sub_store_of,
 )
 from rlcomm.errors import (
@@ -215,40 +216,26 @@ class _Link:
             ProtocolMismatchError: the message is malformed.
         """
         looked = deadline is not None and deadline <= time.monotonic()
-        reset = False
-        while True:
-            try:
-                data = self.sock.recv(64, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    if looked:
-                        return 0, 0
-                    raise CommTimeoutError(f"{what}: {self.peer} did not answer in time",
-                                           peer=self.peer, op="push") from None
-                self._poller.poll(None if remaining is None else max(1, int(remaining * 1000)))
-                continue
-            except ConnectionResetError:
-                # The peer closed with messages of ours unread: the kernel reports that
-                # once, then hands over what the peer sent before (its close message).
-                if reset:
-                    raise PeerLostError(f"{what}: the link to {self.peer} was reset",
-                                        peer=self.peer, op="push") from None
-                reset = True
-                continue
-            except OSError as exc:
-                raise PeerLostError(f"{what}: the link to {self.peer} broke ({exc})",
-                                    peer=self.peer, op="push") from exc
-            if not data:
-                raise PeerLostError(f"{what}: {self.peer}'s process is gone", peer=self.peer,
-                                    op="push")
-            if len(data) != _MESSAGE.size:
-                raise ProtocolMismatchError(f"{what}: a malformed message from {self.peer}",
-                                            peer=self.peer, op="push")
-            kind, version = _MESSAGE.unpack(data)
-            if kind == _CLOSE:
-                self.closed_by_peer = True
-            return kind, version
+        try:
+            data = recv_within(self.sock, self._poller, deadline)
+        except OSError as exc:
+            raise PeerLostError(f"{what}: the link to {self.peer} broke ({exc})",
+                                peer=self.peer, op="push") from exc
+        if data is None:
+            if looked:
+                return 0, 0
+            raise CommTimeoutError(f"{what}: {self.peer} did not answer in time",
+                                   peer=self.peer, op="push")
+        if not data:
+            raise PeerLostError(f"{what}: {self.peer}'s process is gone", peer=self.peer,
+                                op="push")
+        if len(data) != _MESSAGE.size:
+            raise ProtocolMismatchError(f"{what}: a malformed message from {self.peer}",
+                                        peer=self.peer, op="push")
+        kind, version = _MESSAGE.unpack(data)
+        if kind == _CLOSE:
+            self.closed_by_peer = True
+        return kind, version
 
     def close(self) -> None:
         try:
