@@ -340,8 +340,10 @@ def test_a_receiver_that_closes_is_left_out_of_later_pushes(job):
     job.release(0)
     job.targets[1].close()
     job.write(3.0)
+    assert job.dev.opened == 4  # each receiver's two storages, open at the source
     assert job.push() == 2  # no error: r1 left cleanly
     assert job.source.receivers == ["r0"]
+    assert job.dev.opened == 2  # what it opened of r1's is closed
     assert job.update(0) == 2
     assert torch.equal(job.seen(0, "w"), torch.full((64,), 3.0))
 

@@ -252,11 +252,9 @@ class _Receiver:
     """What the source holds of one receiver: the link, the receiver's memory as opened
     here, its *free* event, and the version it released last."""
 
-    def __init__(self, link: _Link, memory: list[torch.Tensor], pairs: list[tuple[str, torch.Tensor]],
-                 free: Any):
+    def __init__(self, link: _Link, pairs: list[tuple[str, torch.Tensor]], free: Any):
         self.link = link
-        self.memory = memory  # keeps the opened storages open
-        self.pairs = pairs  # (source name, the receiver's bytes)
+        self.pairs = pairs  # (source name, the receiver's bytes: views that keep them open)
         self.free = free
         self.released = 0
 
@@ -331,7 +329,7 @@ class PushSource:
             logger.warning("%s: a registration of process %d, not %d (a stale one), was "
                            "dropped", what, reg.pid, peer_pid)
         refusal = check_registration(reg, self._tensors, self._gpu)
-        opened, pairs, free = [], [], None
+        pairs, free = [], None
         if not refusal:
             try:
                 opened = [self._ops.open(s, self._device) for s in reg.shares]
@@ -351,7 +349,7 @@ class PushSource:
                 link.close()
                 raise PeerLostError(f"{what}: the source was closed", peer=peer, op="push")
             old = self._receivers.pop(peer, None)
-            receiver = _Receiver(link, opened, pairs, free)
+            receiver = _Receiver(link, pairs, free)
             # It holds the last version's number from now on (nothing of it yet: its
             # first update is the next push).
             receiver.released = self._version
@@ -464,8 +462,7 @@ class PushSource:
         receiver = self._receivers.pop(name, None)
         if receiver is not None:
             receiver.link.close()
-            receiver.pairs.clear()
-            receiver.memory.clear()  # closed here (each close synchronizes this stream)
+            receiver.pairs.clear()  # closed here (each close synchronizes this stream)
 
     def close(self) -> None:
         """Tell every receiver this source is done, and close what it opened."""
