@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,7 @@ from rlcomm.comm import codec, status
 from rlcomm.comm.broadcast.group import BroadcastGroup, GroupsSpec, expand_groups
 from rlcomm.comm.buckets import MIN_BUCKET, stream_bucket
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.connection.connection import NOT_PLAIN
 from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.flight import RECORDER
 from rlcomm.comm.framing import small_frame
@@ -56,6 +58,7 @@ logger = logging.getLogger(__name__)
 # The flight recorder's methods, bound once: they run for every message.
 _begin = RECORDER.begin
 _end = RECORDER.end
+_monotonic = time.monotonic
 
 #: Payloads at most this large never stream, whatever the pool (what a send checks first).
 _STREAM_FLOOR = MIN_BUCKET
@@ -266,14 +269,30 @@ class CommManager:
         if tensor is not None and not tensor.is_contiguous():
             raise ValueError("recv_tensor: the destination tensor must be contiguous")
         conn = self.connection(src, options)
-        ticket = conn.take_ticket()
         timeout = op_timeout(options)
+        key = deadline = None
+        if not async_op and tensor is None and into is None and shards is None \
+                and conn.checked_first_contact:
+            # The commonest receive: it reads its own message at once, as it came.
+            key = _begin("recv", src)
+            deadline = _monotonic() + timeout
+            try:
+                ticket, result = conn.recv_plain(deadline)
+            except BaseException as exc:
+                _end(key, exc)
+                raise
+            if result is not NOT_PLAIN:
+                _end(key)
+                return result
+        else:
+            ticket = conn.take_ticket()
         device = stream = None
         if _cuda_available() and torch.cuda.is_initialized():
             device = torch.device("cuda", torch.cuda.current_device())
             stream = torch.cuda.current_stream(device)
         op = "recv_tensor" if tensor is not None else "recv"
-        key = _begin(op, src)
+        if key is None:
+            key = _begin(op, src)
         if async_op:
             what = f"{op} at {self.address} from {src}"
             task = run = functools.partial(
@@ -292,24 +311,25 @@ class CommManager:
                              progress=conn.stream_progress)
         try:
             return self._receive(conn, ticket, options, timeout, key, device, tensor, into,
-                                 shards)
+                                 shards, deadline)
         except CommError as exc:
             raise self.explain(exc, op, src, key, timeout)  # noqa: B904 - the same error
 
     def _receive(
         self, conn: Connection, ticket: int, options: CollectiveGroupOptions | None,
         timeout: float, key: int, device: torch.device | None, tensor: torch.Tensor | None,
-        into: Any, shards: Any = None,
+        into: Any, shards: Any = None, deadline: float | None = None,
     ) -> Any:
         """Receive op ``key`` on ``conn`` (see :meth:`recv`), on the caller's thread or
-        the connection's consumer thread."""
+        the connection's consumer thread (``deadline``: when its timeout ends, where it
+        began earlier)."""
         try:
             if not conn.checked_first_contact:
                 self._check_first_contact(conn, options, timeout)
             if tensor is not None:
                 result = conn.recv_tensor_into(ticket, tensor, timeout)
             else:
-                result = conn.recv_object(ticket, timeout, device, into, shards)
+                result = conn.recv_object(ticket, timeout, device, into, shards, deadline)
         except BaseException as exc:
             conn.release_ticket(ticket)  # unless served: every early exit gives it up
             _end(key, exc)

@@ -5,6 +5,7 @@ drives by hand. Over shared memory and over the registry proof's loopback TCP.""
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import pytest
@@ -148,6 +149,35 @@ def test_a_receive_op_reads_its_own_message_without_a_driver(ends):
     assert reader.lease is Lease.IDLE and not failures
     with pytest.raises(CommTimeoutError):
         _receive(reader, timeout=0.2)
+
+
+def test_a_plain_receive_reads_its_own_message_in_one_turn_or_leaves_it_queued(ends):
+    a, b = ends
+    reader, failures = _reader(b)
+    for i in range(20):
+        _send(a, i)
+        ticket, msg = reader.receive_own(time.monotonic() + 10, lambda m: True)
+        assert codec.decode(msg.header, msg.tensors) == i and reader.lease is Lease.IDLE
+    # One the op does not take as it is stays queued, for the general way with its ticket.
+    _send(a, "general")
+    ticket, msg = reader.receive_own(time.monotonic() + 10, lambda m: False)
+    assert msg is None and reader.lease is Lease.IDLE
+    assert codec.decode(*_parts(reader.receive(ticket, 10, lambda m: (True, m), "recv"))) \
+        == "general"
+    assert reader.receive_own(time.monotonic() + 10, lambda m: True)[0] == ticket + 1
+    assert not failures
+
+
+def test_a_plain_receive_that_timed_out_does_not_wait_again(ends):
+    _, b = ends
+    reader, _ = _reader(b)
+    deadline = time.monotonic() + 0.2
+    ticket, msg = reader.receive_own(deadline, lambda m: True)
+    assert msg is None and reader.lease is Lease.IDLE
+    began = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="within 30"):
+        reader.receive(ticket, 30, lambda m: (True, m), "recv", deadline)
+    assert time.monotonic() - began < 30  # it kept the deadline it began with
 
 
 def test_a_stalled_payload_waits_for_the_receive_op_that_takes_it(ends):

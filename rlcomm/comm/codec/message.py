@@ -123,6 +123,11 @@ def encode_raw(tensor: torch.Tensor) -> tuple[MessageHeader, list[torch.Tensor]]
     return MessageHeader(Kind.RAW, [meta]), [t]
 
 
+# The kinds :func:`decode` looks for first, as plain ints (an enum member's lookup costs
+# about 50 ns, a tenth of decoding a small message).
+_TENSOR, _BYTES = int(Kind.TENSOR), int(Kind.BYTES)
+
+
 def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
     """Rebuild the sent object from its header and the received tensors (header order).
 
@@ -134,6 +139,11 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
             dataclass cannot be imported here, or unpickling fails.
     """
     kind, n = header.kind, len(header.tensors)
+    if n == 1 and header.piggyback is None and len(tensors) == 1:  # the commonest messages
+        if kind == _TENSOR:
+            return tensors[0]
+        if kind == _BYTES and type(tensors[0]) is bytes:
+            return tensors[0]
     if len(tensors) != n or (
         n != 1 and kind in (Kind.TENSOR, Kind.RAW, Kind.OBJECT, Kind.BYTES)
     ):

@@ -50,6 +50,18 @@ from rlcomm.errors import (
 logger = logging.getLogger(__name__)
 
 
+#: What :meth:`Connection.recv_plain` returns for a message it leaves to the general way.
+NOT_PLAIN = object()
+
+
+def _plain(msg: Incoming) -> bool:
+    """Whether a plain ``recv`` takes ``msg`` as it came: a CPU message of
+    ``send`` whose tensors are made (anything else goes the general way, which refuses
+    or takes it)."""
+    payload = msg.payload
+    return (payload is P_INLINE or payload is P_READ) and msg.header.kind is not Kind.RAW
+
+
 class Life(enum.Enum):
     """Where a connection is in its life (``Connection.life``)."""
 
@@ -253,14 +265,25 @@ class Connection:
                 )
         return self._consumer.submit(fn)
 
+    def recv_plain(self, deadline: float) -> tuple[int, Any]:
+        """A blocking ``recv`` of the next object, as it came, when it may read its own
+        message at once (the commonest receive: one transition takes its ticket and the
+        stream, and one serves it). Returns the ticket and the object, or ``NOT_PLAIN``
+        with the ticket for :meth:`recv_object` (see :meth:`.Reader.receive_own`)."""
+        ticket, msg = self.reader.receive_own(deadline, _plain)
+        if msg is None:
+            return ticket, NOT_PLAIN
+        return ticket, codec.decode(msg.header, msg.tensors)
+
     def recv_object(
         self, ticket: int, timeout: float, device: torch.device | None, into: Any = None,
-        shards: Shards | None = None,
+        shards: Shards | None = None, deadline: float | None = None,
     ) -> Any:
         """Serve receive ``ticket``: the next object (see ``Worker.recv``), or, with
         ``into``, its tensors copied into ``into``'s (see :func:`codec.destinations`),
         which is returned (with the piggyback, if any); ``into=Buckets()``: an iterator;
-        ``shards``: what is taken of each tensor (:class:`~rlcomm.comm.taking.Taking`)."""
+        ``shards``: what is taken of each tensor (:class:`~rlcomm.comm.taking.Taking`).
+        ``deadline``: when ``timeout`` ends, where the op began earlier."""
         targets: list[torch.Tensor] | None = None
         # What it takes, when it is not the message as it came (made only then: this is
         # every receive's path).
@@ -294,7 +317,7 @@ class Connection:
             return True, msg
 
         try:
-            msg = self.reader.receive(ticket, timeout, handle, "recv")
+            msg = self.reader.receive(ticket, timeout, handle, "recv", deadline)
         except ProtocolMismatchError as exc:
             if refused is exc:  # its sender streams the rest, which nothing here takes:
                 self.fail(exc)  # closed, the sender sees it at once

@@ -144,7 +144,6 @@ def read_message(transport: Transport, peer: str, rest: float | None = None) -> 
         CommTimeoutError, PeerLostError: from the transport.
     """
     rest = default_timeout() if rest is None else max(rest, 0.001)
-    framing.spare_ahead()
     header, sizes, inline, offer = framing.unpack_sized(transport.recv_frame(None, rest))
     msg = classify(header, inline, offer, peer, sizes=sizes)
     if msg.payload is P_READ:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from rlcomm.comm.framing import spare_ahead
 from rlcomm.comm.connection.inbox import Inbox
 from rlcomm.comm.connection.incoming import P_OFFERED, Incoming, read_message
 from rlcomm.comm.connection.listening import Listener
@@ -99,6 +100,10 @@ class Reader:
         # on every message); both conditions wait and notify on it.
         self._lock = lock = threading.RLock()
         self._cond = threading.Condition(lock)
+        # Receive ops and pumps waiting on ``_cond`` (changed under the lock): a
+        # transition wakes callers only when one waits (a notify costs a message about
+        # half a microsecond, and a caller receiving in a loop has nobody to wake).
+        self._waiting = 0
         # The receiver thread waits on its own condition (same lock), so that handing
         # messages to receive ops does not wake it each time.
         self._driver_wake = threading.Condition(lock)
@@ -172,7 +177,7 @@ class Reader:
     def _execute(self, action: Action) -> None:
         """Carry out a transition's wake-ups (holding the lock: the conditions need it;
         the pipe writes do not block)."""
-        if action.callers:
+        if action.callers and self._waiting:
             self._cond.notify_all()
         if action.driver:
             self._driver_wake.notify()
@@ -186,6 +191,14 @@ class Reader:
                 pass  # the pipe is full of wake-ups already
         if action.close_pipe:
             self._close_wake_pipe()
+
+    def _wait_turn(self, timeout: float) -> None:
+        """Wait on ``_cond`` (holding the lock) until a transition wakes callers."""
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
 
     def _close_wake_pipe(self) -> None:
         if self._wake_w >= 0:
@@ -205,6 +218,8 @@ class Reader:
         the connection: a half-read message breaks the stream)."""
         try:
             deadline = None if within is None else time.monotonic() + within
+            # The next small tensor is made before the wait, not after the message came.
+            spare_ahead()
             if self._state.pollable and not transport.poll(  # type: ignore[attr-defined]
                     within, self._wake_r if wake else None):
                 if wake:
@@ -353,24 +368,57 @@ class Reader:
         with self._lock:
             self._execute(self._state.release_ticket(ticket))
 
+    def receive_own(
+        self, deadline: float, plain: Callable[[Incoming], bool],
+    ) -> tuple[int, Incoming | None]:
+        """Take a receive op's ticket and, when the op may read the stream at once
+        (:meth:`.StreamState.take_own`), read its message: returned when ``plain(msg)``
+        says the op takes it as it is, served in the same transition. Else ``None``
+        with the ticket, for :meth:`receive`: nothing came by ``deadline``, the read
+        failed, or the message (queued) needs what only the general way does."""
+        state = self._state
+        lock = self._lock
+        with lock:
+            ticket, transport = state.take_own()
+        if transport is None:
+            return ticket, None
+        msg = None
+        try:
+            now = time.monotonic()
+            msg = self.read_next(transport, deadline - now)
+        except BaseException:  # interrupted: its turn ends
+            with lock:
+                self._execute(state.leave(msg, time.monotonic(), by_caller=True))
+                self._execute(state.failed_op(ticket))
+            raise
+        with lock:
+            if msg is not None and plain(msg):
+                self._execute(state.served_own(msg, ticket, True, now))
+                return ticket, msg
+            self._execute(state.leave(msg, time.monotonic(), by_caller=True))
+        return ticket, None
+
     def receive(
         self,
         ticket: int,
         timeout: float,
         handle: Callable[[Incoming], tuple[bool, Any]],
         what: str,
+        deadline: float | None = None,
     ) -> Any:
         """Serve receive ``ticket``: wait for its turn and a message, then ``handle`` it.
 
         While it is this ticket's turn and the inbox is empty, it reads the message
         itself when the transport allows (the fast path: no thread hop), outside the
         lock. ``handle(msg)`` returns ``(consume, result)``; it raises to refuse the
-        message (which then stays queued for the next receive).
+        message (which then stays queued for the next receive). ``deadline`` (monotonic
+        seconds): when the op's ``timeout`` ends, where it began earlier.
         """
         state = self._state
         if state.listener is not None:
             raise RuntimeError(f"{what} from {self.peer}: this connection is listened to")
-        deadline = time.monotonic() + timeout
+        if deadline is None:
+            deadline = time.monotonic() + timeout
         lock = self._lock
         try:
             while True:
@@ -389,7 +437,7 @@ class Reader:
                             raise CommTimeoutError(
                                 f"{what} from {self.peer}: nothing arrived within {timeout}s")
                         self._execute(action)  # a poke, when it asked the driver
-                        self._cond.wait(deadline - now)
+                        self._wait_turn(deadline - now)
                         continue
                     transport = state.transport
                 # Its turn, the stream idle: it holds it (CALLER) and reads itself.
@@ -460,7 +508,7 @@ class Reader:
                         return False
                     if action.do is not _READ:
                         self._execute(action)  # a poke, when it asked the driver
-                        self._cond.wait(deadline - now)
+                        self._wait_turn(deadline - now)
                         continue
                     transport = state.transport
                 msg = None

@@ -133,17 +133,21 @@ class Sender:
         calling thread. Returns False, having sent nothing, when sends are queued ahead
         of it: the caller then sends it the general way, which keeps call order."""
         self._check_sendable()
-        with self._state:
+        if self._queued:
+            return False
+        lock = self._lock
+        lock.acquire()
+        try:
+            # Only now is the look final: a queued send counts until it has left, and
+            # one of another thread may have been queued and sent meanwhile.
             if self._queued:
                 return False
-            self._lock.acquire()
-        try:
             transport = self.transport
             if transport is None or self._reader.error is not None:
                 transport = self._ready(timeout)
-            self._send_frame(transport, frame, (), timeout)
+            self._send_frame(transport, frame, (), timeout, small=True)
         finally:
-            self._lock.release()
+            lock.release()
         return True
 
     def close(self) -> None:
@@ -189,10 +193,15 @@ class Sender:
 
     def _send_frame(
         self, transport: Transport, frame: bytes, payload: Sequence[torch.Tensor],
-        timeout: float,
+        timeout: float, small: bool = False,
     ) -> None:
+        """Send ``frame`` and ``payload`` (``small``: there is none, the frame is a whole
+        message: :meth:`.Transport.send_small`)."""
         try:
-            transport.send_frame(frame, payload, timeout)
+            if small:
+                transport.send_small(frame, timeout)
+            else:
+                transport.send_frame(frame, payload, timeout)
         except CommTimeoutError as exc:
             if not transport.broken:
                 raise self._not_taken(timeout) from exc

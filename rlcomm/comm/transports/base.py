@@ -183,6 +183,11 @@ class Transport(ABC):
         """
         self.send([*fixed_frames(frame), *payload], timeout)
 
+    def send_small(self, frame: bytes, timeout: float) -> None:
+        """:meth:`send_frame` of a frame without a payload (a transport may have a
+        shorter way for it)."""
+        self.send_frame(frame, (), timeout)
+
     def recv_frame(self, timeout: float | None, rest: float | None = None) -> bytes:
         """Receive the next frame sent with :meth:`send_frame` (its payload follows).
 

@@ -88,6 +88,12 @@ _PIN_LIMIT = _MAX_IN_FLIGHT // 2
 _RELAY_SPARE = 8
 
 
+# The control words' indexes and the record's packing, for :meth:`ShmTransport.send_small`.
+_HEAD, _TAIL, _SLEEPING = HEAD // 8, TAIL // 8, SLEEPING // 8
+_RECORD_BYTES = RECORD.size
+_pack_record = RECORD.pack_into
+
+
 class ShmTransport(Transport):
     """Same-node connection over shared memory (see module docstring).
 
@@ -189,6 +195,27 @@ class ShmTransport(Transport):
             self.broken = True
             raise
         self._writer.wake_reader()
+
+    def send_small(self, frame: bytes, timeout: float) -> None:
+        """:meth:`send_frame` of a frame without a payload (a small message): written in
+        place when the ring has room for it before its end, else the general way."""
+        if self._closed or self.broken:
+            self._check_usable()
+        out = self._out
+        words = out.words
+        head = words[_HEAD]
+        n = len(frame)
+        end = head % RING_BYTES + _RECORD_BYTES + n
+        if end > RING_BYTES or head + _RECORD_BYTES + n - words[_TAIL] > RING_BYTES:
+            self.send_frame(frame, (), timeout)
+            return
+        start = CTRL_BYTES + end - n
+        mm = out.mm
+        _pack_record(mm, start - _RECORD_BYTES, FRAME, 0, n)
+        mm[start : CTRL_BYTES + end] = frame
+        words[_HEAD] = head + _RECORD_BYTES + n  # published: the reader may take it now
+        if words[_SLEEPING]:
+            self._signals.notify(self._out_sock)
 
     def send_bucket(self, pieces: Sequence[torch.Tensor], timeout: float) -> None:
         self._check_usable()

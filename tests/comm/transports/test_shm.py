@@ -66,6 +66,28 @@ def test_frames_and_many_small_messages_wrap_the_ring(pair):
     t.join(timeout=30)
 
 
+def test_small_frames_written_in_place_wrap_the_ring_and_wait_when_it_is_full(pair):
+    a, b = pair
+    # Frames of odd lengths, so that one ends up straddling the ring's end (written the
+    # general way) and the ring fills before the reader starts.
+    frames = [bytes([i % 251]) * (1000 + i % 97) for i in range(shm_memory.RING_BYTES // 500)]
+    sent = threading.Event()
+
+    def send_all():
+        for frame in frames:
+            a.send_small(frame, 30)
+        sent.set()
+
+    t = threading.Thread(target=send_all)
+    t.start()
+    wait_for(lambda: b.available() > shm_memory.RING_BYTES - 1100, "the ring to fill")
+    assert not sent.is_set()  # the sender waits for room, nothing overwritten
+    for frame in frames:
+        assert b.recv_frame(30) == frame
+    t.join(timeout=30)
+    assert sent.is_set() and b.available() == 0
+
+
 def test_zero_copy_views_return_segments_to_the_pool(pair):
     a, b = pair
     n = 2 << 20
