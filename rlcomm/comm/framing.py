@@ -57,8 +57,6 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
 #: :data:`_OPENINGS_MAX` are kept (then new ones are built each time).
 _OPENINGS: dict[object, bytes] = {}
 _OPENINGS_MAX = 1024
-#: The openings of tensors that NumPy can view, by the array's ``(dtype, shape)``.
-_NP_OPENINGS: dict[tuple, bytes] = {}
 
 
 def small_frame(obj: object) -> bytes | None:
@@ -81,24 +79,6 @@ def small_frame(obj: object) -> bytes | None:
     if tp is not torch.Tensor:
         return None
     t: torch.Tensor = obj  # type: ignore[assignment]
-    # A CPU tensor as a NumPy array: numpy() refuses most of what the general path
-    # changes or refuses (one that needs grad, lazy conjugates and negations, sparse or
-    # nested ones, other devices) in one call, and the array's shape, dtype and bytes are
-    # cheaper to read than the tensor's (about 0.4 µs of a 4 B send). Dtypes NumPy lacks
-    # (bfloat16, float8) go through the tensor's own checks below.
-    a = None
-    if t.is_cpu:
-        try:
-            a = t.numpy()
-        except (RuntimeError, TypeError, ValueError):
-            pass
-    if a is not None:
-        n = a.nbytes
-        if not 0 < n <= INLINE_BYTES or not a.flags.c_contiguous:
-            return None
-        opening = _NP_OPENINGS.get((a.dtype, a.shape))
-        if opening is not None:
-            return opening + a.tobytes()
     if not t.is_cpu or t.layout is not torch.strided:
         return None
     n = t.nbytes  # first: a large tensor, most sends', goes on after two more looks
@@ -114,8 +94,6 @@ def small_frame(obj: object) -> bytes | None:
         except KeyError:  # a dtype a header cannot carry: the general path says so
             return None
         opening = _remember((t.dtype, meta.shape), MessageHeader(Kind.TENSOR, [meta], inline=n))
-    if a is not None and len(_NP_OPENINGS) < _OPENINGS_MAX:
-        _NP_OPENINGS[(a.dtype, a.shape)] = opening
     # Dense, contiguous and alive: its n bytes start at data_ptr().
     return opening + ctypes.string_at(t.data_ptr(), n)
 

@@ -100,10 +100,6 @@ class Reader:
         # on every message); both conditions wait and notify on it.
         self._lock = lock = threading.RLock()
         self._cond = threading.Condition(lock)
-        # Receive ops and pumps waiting on ``_cond`` (changed under the lock): a
-        # transition wakes callers only when one waits (a notify costs a message about
-        # half a microsecond, and a caller receiving in a loop has nobody to wake).
-        self._waiting = 0
         # The receiver thread waits on its own condition (same lock), so that handing
         # messages to receive ops does not wake it each time.
         self._driver_wake = threading.Condition(lock)
@@ -177,7 +173,7 @@ class Reader:
     def _execute(self, action: Action) -> None:
         """Carry out a transition's wake-ups (holding the lock: the conditions need it;
         the pipe writes do not block)."""
-        if action.callers and self._waiting:
+        if action.callers:
             self._cond.notify_all()
         if action.driver:
             self._driver_wake.notify()
@@ -191,14 +187,6 @@ class Reader:
                 pass  # the pipe is full of wake-ups already
         if action.close_pipe:
             self._close_wake_pipe()
-
-    def _wait_turn(self, timeout: float) -> None:
-        """Wait on ``_cond`` (holding the lock) until a transition wakes callers."""
-        self._waiting += 1
-        try:
-            self._cond.wait(timeout)
-        finally:
-            self._waiting -= 1
 
     def _close_wake_pipe(self) -> None:
         if self._wake_w >= 0:
@@ -437,7 +425,7 @@ class Reader:
                             raise CommTimeoutError(
                                 f"{what} from {self.peer}: nothing arrived within {timeout}s")
                         self._execute(action)  # a poke, when it asked the driver
-                        self._wait_turn(deadline - now)
+                        self._cond.wait(deadline - now)
                         continue
                     transport = state.transport
                 # Its turn, the stream idle: it holds it (CALLER) and reads itself.
@@ -508,7 +496,7 @@ class Reader:
                         return False
                     if action.do is not _READ:
                         self._execute(action)  # a poke, when it asked the driver
-                        self._wait_turn(deadline - now)
+                        self._cond.wait(deadline - now)
                         continue
                     transport = state.transport
                 msg = None
