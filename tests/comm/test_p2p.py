@@ -229,6 +229,12 @@ class Peer(Worker):
         self.recv_tensor(buf, group, rank, **kw)
         return buf
 
+    def recv_then_expect_error(self, group, rank, op, *args, **kwargs):
+        """Receive once, then at once call ``op`` as :meth:`expect_error` does (a receive
+        right after one that read takes its ticket and the stream in one transition)."""
+        first = self.recv(group, rank)
+        return first, self.expect_error(op, *args, **kwargs)
+
     def expect_error(self, op, *args, **kwargs):
         start = time.monotonic()
         try:
@@ -386,6 +392,34 @@ def test_recv_timeout_then_late_message_is_kept(peers):
     assert name == "CommTimeoutError" and "p2p_b:1" in text and took < 10
     b.execute_on(1).send_one("late", "p2p_a", 0).wait(timeout=30)
     assert a.execute_on(0).recv_one("p2p_b", 1).wait(timeout=30) == ["late"]
+
+
+def test_a_recv_right_after_one_times_out_once_or_leaves_a_send_tensor_queued(peers):
+    """A blocking recv that comes right after one that read its own message reads its
+    own too (one transition takes its ticket and the stream): a timeout there is its
+    own, not twice its own, and a message it cannot take as it is stays queued."""
+    a, b = peers
+    b.execute_on(2).send_one("contact", "p2p_a", 1).wait(timeout=30)
+    assert a.execute_on(1).recv_one("p2p_b", 2).wait(timeout=30) == ["contact"]
+
+    def first_then(op, *args, **kwargs):
+        work = a.execute_on(1).recv_then_expect_error("p2p_b", 2, op, *args, **kwargs)
+        wait_op_under_way("p2p_a:1", "recv", "p2p_b:2")  # it reads "first" itself
+        b.execute_on(2).send_one("first", "p2p_a", 1).wait(timeout=30)
+        return work
+
+    first, (name, text, took) = first_then(
+        "recv_one", "p2p_b", 2, options=CollectiveGroupOptions(timeout=3)).wait(timeout=30)[0]
+    assert first == "first" and name == "CommTimeoutError" and "within 3" in text
+    assert took < 5.5  # its own 3 s, not a second 3 s on the general way
+    work = first_then("recv_one", "p2p_b", 2)
+    b.execute_on(2).send_tensor_one(torch.arange(3.0), "p2p_a", 1).wait(timeout=30)
+    first, (name, text, _) = work.wait(timeout=30)[0]
+    assert name == "ProtocolMismatchError" and "recv_tensor()" in text
+    got = a.execute_on(1).recv_tensor_one((3,), torch.float32, "p2p_b", 2).wait(timeout=30)[0]
+    assert torch.equal(got, torch.arange(3.0))
+    b.execute_on(2).send_one(b"after", "p2p_a", 1).wait(timeout=30)
+    assert a.execute_on(1).recv_one("p2p_b", 2).wait(timeout=30) == [b"after"]
 
 
 def test_send_recv_tensor_mismatches(peers):

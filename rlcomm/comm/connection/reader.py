@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from rlcomm.comm.framing import spare_ahead
 from rlcomm.comm.connection.inbox import Inbox
 from rlcomm.comm.connection.incoming import P_OFFERED, Incoming, read_message
 from rlcomm.comm.connection.listening import Listener
@@ -47,6 +46,7 @@ from rlcomm.comm.connection.stream import (
     Lease,
     StreamState,
 )
+from rlcomm.comm.framing import spare_ahead
 from rlcomm.comm.options import default_timeout
 from rlcomm.comm.transports.base import PollableTransport, Transport, is_pollable
 from rlcomm.errors import CommError, CommTimeoutError, PeerLostError
