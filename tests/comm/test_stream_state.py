@@ -254,53 +254,6 @@ def test_a_receive_op_served_its_own_message(deferred, consumed, lease, queued):
         assert state.driver_take(10.0 + LINGER / 2).do is Do.WAIT
 
 
-@pytest.mark.parametrize(
-    ("setup", "reads"),
-    [
-        ("idle", True),  # the commonest receive: ticket and stream in one transition
-        ("an op before it", False),  # its turn has not come
-        ("a message queued", False),  # it is served from the inbox, the general way
-        ("driver reads", False),  # it asks the driver, the general way
-        ("stalled", False),
-        ("failed", False),
-        ("listened", False),
-        ("unpollable", False),
-        ("not attached", False),
-        ("an op abandoned", False),  # the general way skips it first
-    ],
-)
-def test_a_blocking_receive_takes_its_ticket_and_the_stream_at_once(setup, reads):
-    state = StreamState("peer:0") if setup == "not attached" else _state(
-        pollable=setup != "unpollable")
-    if setup == "an op before it":
-        state.take_ticket()
-    elif setup == "a message queued":
-        state.inbox.put(_msg())
-    elif setup == "driver reads":
-        state.driver_take(10.0)
-    elif setup == "stalled":
-        state.lease = Lease.STALLED
-    elif setup == "failed":
-        state.fail(PeerLostError("gone"))
-    elif setup == "listened":
-        state.listener = object()
-    elif setup == "an op abandoned":
-        t0, t1 = state.take_ticket(), state.take_ticket()
-        state.failed_op(t1)  # not its turn: abandoned
-        state.served(t0, consumed=False, now=0.0)
-    lease = state.lease
-    tickets = state._next_ticket
-    ticket, transport = state.take_own()
-    assert ticket == tickets  # a ticket either way: the general way goes on with it
-    if reads:
-        assert transport is TRANSPORT and state.lease is Lease.CALLER
-        assert state.served_own(_msg(), ticket, True, now=10.0) == CALLERS
-        assert state.lease is Lease.IDLE
-        assert state.take_own() == (ticket + 1, TRANSPORT)  # the next one's turn
-    else:
-        assert transport is None and state.lease is lease
-
-
 def test_receive_ops_are_served_in_ticket_order_and_skip_abandoned_ones():
     state = _state()
     t0, t1, t2 = (state.take_ticket() for _ in range(3))

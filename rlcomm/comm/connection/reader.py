@@ -359,20 +359,27 @@ class Reader:
     def receive_own(
         self, deadline: float, plain: Callable[[Incoming], bool],
     ) -> tuple[int, Incoming | None]:
-        """Take a receive op's ticket and, when the op may read the stream at once
-        (:meth:`.StreamState.take_own`), read its message: returned when ``plain(msg)``
-        says the op takes it as it is, served in the same transition. Else ``None``
-        with the ticket, for :meth:`receive`: nothing came by ``deadline``, the read
-        failed, or the message (queued) needs what only the general way does."""
+        """Take a receive op's ticket and, when the stream is its to read at once (its
+        turn, the inbox empty, the stream idle), read its message: returned when
+        ``plain(msg)`` says the op takes it as it is, and served then. Else ``None``
+        with the ticket, for :meth:`receive`: it must wait or ask, nothing came by
+        ``deadline``, the read failed, or the message (queued) needs what only the
+        general way does. One hold of the lock takes the ticket and the stream, one
+        serves the op: a blocking receive in a loop takes no other."""
         state = self._state
         lock = self._lock
         with lock:
-            ticket, transport = state.take_own()
-        if transport is None:
-            return ticket, None
+            ticket = state.take_ticket()
+            if state.listener is not None:  # the general way refuses it
+                return ticket, None
+            now = time.monotonic()
+            action = state.want(now, deadline, ticket)
+            if action.do is not _READ:
+                self._execute(action)  # a poke, when it asked the driver
+                return ticket, None
+            transport = state.transport
         msg = None
         try:
-            now = time.monotonic()
             msg = self.read_next(transport, deadline - now)
         except BaseException:  # interrupted: its turn ends
             with lock:

@@ -302,23 +302,6 @@ class StreamState:
         self._next_ticket += 1
         return ticket
 
-    def take_own(self) -> tuple[int, Any]:
-        """A blocking receive op's ticket, and the transport when the op holds the stream
-        now (``CALLER``): no op is before it, the inbox is empty and the stream idle on
-        a pollable transport, with no error and no listener. :meth:`take_ticket` and
-        :meth:`want`'s ``READ`` in one transition (the commonest receive's: a caller
-        receiving in a loop). With ``None`` the op goes on the general way, with this
-        ticket."""
-        ticket = self._next_ticket
-        self._next_ticket = ticket + 1
-        if (self._serving == ticket and self.lease is _IDLE and not self.inbox
-                and self.error is None and self.pollable and self.listener is None
-                and self.transport is not None and not self._abandoned):
-            self.lease = _CALLER
-            self.pumper = None
-            return ticket, self.transport
-        return ticket, None
-
     def _skip_abandoned(self) -> None:
         while self._serving in self._abandoned:
             self._abandoned.discard(self._serving)
