@@ -31,6 +31,10 @@ from tests.waiting import wait_for
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    # The stopping thread must get the GIL soon after the record it waits for: at the
+    # default switch interval (5 ms) the relay's thread can pass the whole stream on
+    # before it runs, and the member is never stopped midway.
+    sys.setswitchinterval(1e-4)
     listener = ChainListener.__new__(ChainListener)
     listener.sock = socket.socket(fileno=spec["fd"])
     listener.sock.setblocking(False)
