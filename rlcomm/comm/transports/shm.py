@@ -88,12 +88,6 @@ _PIN_LIMIT = _MAX_IN_FLIGHT // 2
 _RELAY_SPARE = 8
 
 
-# The control words' indexes and the record's packing, for :meth:`ShmTransport.send_small`.
-_HEAD, _TAIL, _SLEEPING = HEAD // 8, TAIL // 8, SLEEPING // 8
-_RECORD_BYTES = RECORD.size
-_pack_record = RECORD.pack_into
-
-
 class ShmTransport(Transport):
     """Same-node connection over shared memory (see module docstring).
 
@@ -203,19 +197,17 @@ class ShmTransport(Transport):
             self._check_usable()
         out = self._out
         words = out.words
-        head = words[_HEAD]
+        head = words[HEAD // 8]
         n = len(frame)
-        end = head % RING_BYTES + _RECORD_BYTES + n
-        if end > RING_BYTES or head + _RECORD_BYTES + n - words[_TAIL] > RING_BYTES:
+        end = head % RING_BYTES + RECORD.size + n
+        if end > RING_BYTES or head + RECORD.size + n - words[TAIL // 8] > RING_BYTES:
             self.send_frame(frame, (), timeout)
             return
         start = CTRL_BYTES + end - n
-        mm = out.mm
-        _pack_record(mm, start - _RECORD_BYTES, FRAME, 0, n)
-        mm[start : CTRL_BYTES + end] = frame
-        words[_HEAD] = head + _RECORD_BYTES + n  # published: the reader may take it now
-        if words[_SLEEPING]:
-            self._signals.notify(self._out_sock)
+        RECORD.pack_into(out.mm, start - RECORD.size, FRAME, 0, n)
+        out.mm[start : CTRL_BYTES + end] = frame
+        words[HEAD // 8] = head + RECORD.size + n  # published: the reader may take it now
+        self._writer.wake_reader()
 
     def send_bucket(self, pieces: Sequence[torch.Tensor], timeout: float) -> None:
         self._check_usable()
