@@ -89,6 +89,24 @@ def test_the_header_cache_stays_bounded(monkeypatch):
     assert len(framing._KNOWN) == 8
 
 
+class _NoLookups(dict):
+    def get(self, key, default=None):
+        raise AssertionError(f"a {len(key)}-byte header was looked up")
+
+
+def test_a_header_too_large_to_keep_is_decoded_without_a_lookup(monkeypatch):
+    # A component's frame rides in the header (a channel's batch of puts: 100 KiB and
+    # more); hashing it for a lookup that cannot hit cost more than decoding it.
+    monkeypatch.setattr(framing, "_KNOWN", _NoLookups())
+    frame_bytes = bytes(range(256)) * 400
+    header, tensors = codec.encode_framed(frame_bytes, [torch.arange(3)])
+    frame, _ = framing.pack(header, tensors)
+    got, sizes, inline, offer = framing.unpack_sized(frame)
+    assert type(got.piggyback) is bytes and got.piggyback == frame_bytes
+    assert sizes == [24] and offer == b"" and inline == frame[len(frame) - 24:]
+    assert framing.unpack_sized(frame)[0] is not got
+
+
 def test_a_bad_header_raises_every_time():
     frame = framing.small_frame(b"abcd")
     (hlen,) = framing._LEN.unpack_from(frame)
