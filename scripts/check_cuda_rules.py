@@ -41,12 +41,12 @@ class Rule:
 
 _COPY_OUT_WAIT = (
     "        ops.wait_stream(stream, order if order is not None else ops.current_stream(\n"
-    "            into[0].device if into else device or src_device))\n"
+    "            into[0].device if into else device or src_device), self._recv_mark)\n"
 )
 
 RULES = [
     Rule("the staging copy waits for the caller's order (its writes to the payload)", IPC,
-         "            ops.wait_stream(self._send_stream, order)\n", "",
+         "            ops.wait_stream(self._send_stream, order, self._send_mark)\n", "",
          f"{ORDERING}::test_the_staging_copy_reads_the_payload_after_the_callers_writes"),
     Rule("a staging copy waits for the receiver's done (its copy out of the slot)", IPC,
          "                ops.wait_event(self._send_stream, self._peer_done)\n", "",
@@ -76,7 +76,7 @@ RULES = [
          _COPY_OUT_WAIT, "",
          f"{ORDERING}::test_the_receivers_copy_waits_for_the_callers_work_on_its_buffers"),
     Rule("a copy without an order waits for the current stream its new memory comes from",
-         IPC, _COPY_OUT_WAIT, "        ops.wait_stream(stream, order)\n",
+         IPC, _COPY_OUT_WAIT, "        ops.wait_stream(stream, order, self._recv_mark)\n",
          f"{ORDERING}::test_a_copy_taken_in_before_any_receive_waits_for_the_current_streams_kernels"),
     Rule("done is recorded after the receiver's copy", IPC,
          "        ops.record(self._done, stream)\n", "",
@@ -90,8 +90,11 @@ RULES = [
     Rule("a receive op orders its stream after a copy taken in before it", PAYLOAD,
          "                ipc.order_after(ipc.current_order(at))\n", "                pass\n",
          f"{PROTOCOL}::test_a_receive_op_orders_its_stream_after_a_copy_taken_in_earlier"),
+    Rule("ordering after the copies taken in waits for done (their last record)", IPC,
+         "        self._ops.wait_event(order, self._done)\n", "        pass\n",
+         f"{PROTOCOL}::test_a_receive_op_orders_its_stream_after_a_copy_taken_in_earlier"),
     Rule("a receiver asking for a write orders its receive stream after the caller's work",
-         IPC, "        ops.wait_stream(stream, order)\n", "",
+         IPC, "        ops.wait_stream(stream, order, self._recv_mark)\n", "",
          f"{ORDERING}::test_the_sender_writes_registered_tensors_after_the_receivers_reads"),
     Rule("a receiver asking for a write records done after it", IPC,
          "        ops.record(self._done, stream)  # what the sender's write waits for\n", "",
@@ -120,7 +123,7 @@ RULES = [
          "    ops.record(free, order)  # the source's first copies come after the work queued so far\n",
          "", f"{PUSHED}::test_the_first_push_comes_after_the_receivers_own_writes_before_registering"),
     Rule("a push's copies wait for the caller's stream (the source's values)", PUSH,
-         "            ops.wait_stream(self._stream, order)  # the source's values are written\n",
+         "            ops.wait_stream(self._stream, order, self._mark)  # the source's values are written\n",
          "", f"{PUSHED}::test_a_push_copies_the_sources_values_after_the_callers_writes"),
     Rule("a push's copies wait for each receiver's free", PUSH,
          "                ops.wait_event(self._stream, receiver.free)\n", "",

@@ -12,7 +12,8 @@ CUDA, so that a missing wait or a missing ``record_stream`` corrupts data here a
 - **Events.** A record is queued on a stream and happens when the stream gets to it. A
   stream's wait on an event waits for the record last queued before the wait was asked
   (``cudaStreamWaitEvent``); an event never recorded is no wait at all. Interprocess
-  events are found by handle from every ``FakeDevice``.
+  events are found by handle from every ``FakeDevice``. Events made are counted
+  (:attr:`FakeDevice.events_made`).
 - **A caching allocator.** :meth:`FakeDevice.empty` carves blocks out of *segments*; a
   block freed goes back to the pool of the stream it was allocated on, and the next
   allocation of its size on that stream gets it at once (last freed, first out). A block
@@ -218,6 +219,7 @@ class FakeDevice(DeviceOps):
         self.shares = 0
         self.opened = 0  # live opened shares
         self.closes = 0  # opened shares closed (each synchronized the current stream)
+        self.events_made = 0  # events made, interprocess or not
         self.allocated = 0  # bytes handed out by empty()
         self.reused = 0  # allocations served by a freed block
         self._alloc = threading.RLock()  # a block's finalizer may run under it
@@ -255,9 +257,11 @@ class FakeDevice(DeviceOps):
         return self.current
 
     def new_event(self) -> FakeEvent:
+        self.events_made += 1
         return FakeEvent()
 
     def new_ipc_event(self, device: torch.device) -> tuple[FakeEvent, bytes]:
+        self.events_made += 1
         event, handle = FakeEvent(), uuid.uuid4().bytes * 4
         with _lock:
             _events[handle] = event
@@ -286,7 +290,7 @@ class FakeDevice(DeviceOps):
 
         stream.enqueue(wait)
 
-    def wait_stream(self, stream: Any, other: Any) -> None:
+    def wait_stream(self, stream: Any, other: Any, mark: Any) -> None:
         if stream is None or other is None:
             return
         if isinstance(other, FakeEvent):
@@ -294,13 +298,10 @@ class FakeDevice(DeviceOps):
             return
         if other is stream:
             return
-        place = other.queued
-
-        def wait() -> None:
-            if not other.wait_ran(place):
-                self.errors.append(f"{stream!r} waited {WAIT_LIMIT}s on {other!r}")
-
-        stream.enqueue(wait)
+        # As the real layer does: record the caller's own event on the other stream, and
+        # wait on that record.
+        self.record(mark, other)
+        self.wait_event(stream, mark)
 
     def synchronize(self, event: Any) -> None:
         if not event.wait_reached(event.issued):

@@ -649,6 +649,24 @@ def test_staged_messages_to_a_worker_that_does_not_receive_yet_all_go(linked):
     assert a._cuda.stats()["acked"] == 20
 
 
+def test_messages_make_no_events_of_their_own(linked):
+    """Each end records its own events, made at set-up, on every message: a message
+    makes none (torch's ``Stream.wait_stream`` makes and drops one per call)."""
+    a, b, (dev_a, dev_b) = linked
+    _send_device(a, [torch.ones(16)])
+    _received(b)
+    made = dev_a.events_made, dev_b.events_made
+    for i in range(10):
+        _send_device(a, [torch.full((16,), float(i))])  # staged
+        sender = threading.Thread(target=_send_device, args=(a, [torch.full((4096,), float(i))]))
+        sender.start()  # lent: the send waits for the receive
+        assert int(_received(b)[0][0]) == i
+        assert int(_received(b)[0][-1]) == i
+        sender.join(timeout=10)
+        assert not sender.is_alive()
+    assert (dev_a.events_made, dev_b.events_made) == made
+
+
 def test_a_receive_op_orders_its_stream_after_a_copy_taken_in_earlier(linked):
     """The reader copies a staged payload out as its frame arrives, on the transport's
     receive stream, with no caller to order; the receive op orders the caller's stream

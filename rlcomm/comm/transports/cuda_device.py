@@ -100,13 +100,20 @@ class DeviceOps:
         """Order ``stream``'s later work after ``event``'s last record (no host wait)."""
         stream.wait_event(event)
 
-    def wait_stream(self, stream: Any, other: Any) -> None:
+    def wait_stream(self, stream: Any, other: Any, mark: Any) -> None:
         """Order ``stream``'s later work after what ``other`` (a stream, or an event
-        recorded on one) has queued now."""
+        recorded on one) has queued now. A stream of ``stream``'s device is waited on
+        through ``mark``, an event of the caller's own (:meth:`new_event`, kept for good,
+        recorded on that device's streams only, and recorded and waited on under one
+        lock hold): torch's ``Stream.wait_stream`` makes and drops an event per call."""
         if isinstance(other, torch.cuda.Event):
             stream.wait_event(other)
         elif other is not None and stream != other:
-            stream.wait_stream(other)
+            if other.device != stream.device:  # an event records on one device's streams
+                stream.wait_stream(other)
+                return
+            mark.record(other)
+            stream.wait_event(mark)
 
     def synchronize(self, event: Any) -> None:
         """Wait on the host until ``event``'s last record has happened."""

@@ -47,9 +47,11 @@ one message:
    what it opened of it.
 
 One event per end and role is enough because each is always recorded on the same
-stream: waiting on a later record of it also waits for every earlier one. Each direction
-of payloads has a link of its own, read by one side at each end: acks, write requests
-and registrations from the receiver, and the sender's word on each write.
+stream: waiting on a later record of it also waits for every earlier one. A stream
+waits on another through an event of this end's own, one per direction, made at set-up:
+no message makes an event. Each direction of payloads has a link of its own, read by
+one side at each end: acks, write requests and registrations from the receiver, and the
+sender's word on each write.
 
 Lifetimes: the staging area is released after :func:`idle_release` seconds without a
 message, and the receiver closes what it opened after as long. When the peer is lost,
@@ -416,6 +418,10 @@ class CudaIpcTransport(OneSidedTransport):
         self._recv_stream = ops.new_stream(device)
         self._ready, ready_handle = ops.new_ipc_event(device)
         self._done, done_handle = ops.new_ipc_event(device)
+        # What a stream waits on another through (see DeviceOps.wait_stream): one per
+        # lock, so that a message makes no event of its own.
+        self._send_mark = ops.new_event()
+        self._recv_mark = ops.new_event()
         deadline = time.monotonic() + timeout
         hello = _encode(Hello(self._gpu, ready_handle, done_handle))
         first, theirs = connect_link(store, rank, hello, deadline, peer, peer_pid)
@@ -724,7 +730,7 @@ class CudaIpcTransport(OneSidedTransport):
             self._check_usable("cuda_ipc send")
             if not pieces:  # nothing to read: no message number, no ack
                 return Sent(-1, _encode(Offer(-1, self._gpu, [], [])), False)
-            ops.wait_stream(self._send_stream, order)
+            ops.wait_stream(self._send_stream, order, self._send_mark)
             slot, retired = None, ()
             if not lend and total <= self._slot_bytes and self._slot_count:
                 slot = self._take_slot(deadline, on_wait)
@@ -903,7 +909,9 @@ class CudaIpcTransport(OneSidedTransport):
         return self._ops.current_stream(device or self._device)
 
     def order_after(self, order: object) -> None:
-        self._ops.wait_stream(order, self._recv_stream)
+        # Done is recorded on the receive stream after each of its copies (and a later
+        # record comes after every earlier copy): waiting on it needs no event of its own.
+        self._ops.wait_event(order, self._done)
 
     def copies_at_once(self, offer: bytes) -> bool:
         # A staged payload holds one of the sender's slots until it is copied out.
@@ -935,7 +943,7 @@ class CudaIpcTransport(OneSidedTransport):
         # allocator hands out from the pool of this thread's current stream: a block
         # that kernels queued there may still read, freed by their tensor's owner.
         ops.wait_stream(stream, order if order is not None else ops.current_stream(
-            into[0].device if into else device or src_device))
+            into[0].device if into else device or src_device), self._recv_mark)
         ops.wait_event(stream, self._peer_ready)  # the sender's bytes are there
         if into is not None:
             dsts = [v for v in byte_views(into, f"cuda_ipc recv from {self._peer}", ops) if v.numel()]
@@ -982,7 +990,7 @@ class CudaIpcTransport(OneSidedTransport):
         stream = self._recv_stream
         # The sender writes once the caller's work queued on the tensors so far is done:
         # it waits for done, recorded after that work.
-        ops.wait_stream(stream, order)
+        ops.wait_stream(stream, order, self._recv_mark)
         ops.record(self._done, stream)  # what the sender's write waits for
         self._send_back(_ACK.pack(offer.seq, _WRITE) + _NUMBER.pack(number))
         why = self._wait_written(offer.seq, deadline)

@@ -279,6 +279,7 @@ class PushSource:
         self._tensors = dict(tensors)
         self._stream = ops.new_stream(device)
         self._ready, self._ready_handle = ops.new_ipc_event(device)
+        self._mark = ops.new_event()  # see DeviceOps.wait_stream
         self._lock = threading.Lock()
         self._receivers: dict[str, _Receiver] = {}
         self._version = 0
@@ -389,7 +390,7 @@ class PushSource:
                 if name in failed or receiver.link.closed_by_peer:
                     self._drop(name)  # gone, or closed: no longer written
             receivers = list(self._receivers.values())
-            ops.wait_stream(self._stream, order)  # the source's values are written
+            ops.wait_stream(self._stream, order, self._mark)  # the source's values are written
             for receiver in receivers:
                 # The receiver's reads of its last version are done.
                 ops.wait_event(self._stream, receiver.free)
