@@ -40,8 +40,17 @@ GENERAL = [
 ]
 
 
+@pytest.fixture(params=["joined", "ctypes"])
+def join(request, monkeypatch):
+    """A tensor's frame joined by the C helper (where it is built), and without it."""
+    if request.param == "ctypes":
+        monkeypatch.setattr(framing, "_joined", None)
+    elif framing._joined is None:
+        pytest.skip("the C extension is not built here")
+
+
 @pytest.mark.parametrize("obj", SMALL)
-def test_a_small_frame_is_the_frame_the_general_path_makes(obj):
+def test_a_small_frame_is_the_frame_the_general_path_makes(obj, join):
     frame = framing.small_frame(obj)
     header, tensors = codec.encode(obj)
     general, payload = framing.pack(header, tensors)
@@ -54,7 +63,7 @@ def test_other_messages_have_no_small_frame(obj):
     assert framing.small_frame(obj) is None
 
 
-def test_a_small_frame_carries_the_tensor_as_it_is_now():
+def test_a_small_frame_carries_the_tensor_as_it_is_now(join):
     t = torch.zeros(2)
     first = framing.small_frame(t)
     t += 1

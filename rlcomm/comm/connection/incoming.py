@@ -29,6 +29,8 @@ class Payload(enum.Enum):
 # 3.11, and every message's path asks where its payload is).
 P_INLINE, P_READ, P_IN_STREAM, P_OFFERED, P_TAKEN = (
     Payload.INLINE, Payload.READ, Payload.IN_STREAM, Payload.OFFERED, Payload.TAKEN)
+# The one kind every message is asked about (the same reason).
+_RAW = Kind.RAW
 
 
 class Incoming:
@@ -96,7 +98,7 @@ def classify(
             header_bucket(header)
         except CodecError as exc:
             raise ProtocolMismatchError(f"{what} from {peer}: {exc}; {then}") from exc
-        if header.inline or inline or offer or header.kind == Kind.RAW:
+        if header.inline or inline or offer or header.kind == _RAW:
             raise ProtocolMismatchError(
                 f"{what} from {peer} streams in buckets but carries a payload in its frame; "
                 f"{then}")
@@ -110,24 +112,38 @@ def classify(
             f"{what} from {peer} declares {total} bytes, over this worker's "
             f"limit of {limit} (RLCOMM_MAX_MESSAGE_BYTES); {then}"
         )
-    device = bool(metas) and not header.inline and metas[0].device == "cuda"
-    if offer and not device:
-        raise ProtocolMismatchError(
-            f"{what} from {peer} carries a device offer but no CUDA tensors; {then}"
-        )
-    msg = Incoming(header, inline, offer, device=device)
-    msg.sizes = sizes
-    if header.inline or not metas:
+    if header.inline:  # the commonest: a small CPU payload in the frame
+        if offer:
+            raise ProtocolMismatchError(
+                f"{what} from {peer} carries a device offer but no CUDA tensors; {then}")
         if header.inline != total or len(inline) != total:
             raise ProtocolMismatchError(
                 f"{what} from {peer} declares {total} bytes but carries "
                 f"{header.inline} inline; {then}"
             )
-        if header.kind != Kind.RAW:
+        msg = Incoming(header, inline)
+        msg.sizes = sizes
+        if header.kind != _RAW:
+            msg.tensors = framing.split_inline(header, inline, sizes)
+        return msg
+    device = bool(metas) and metas[0].device == "cuda"
+    if offer and not device:
+        raise ProtocolMismatchError(
+            f"{what} from {peer} carries a device offer but no CUDA tensors; {then}"
+        )
+    msg = Incoming(header, inline, offer, P_INLINE, device)
+    msg.sizes = sizes
+    if not metas:
+        if total or inline:
+            raise ProtocolMismatchError(
+                f"{what} from {peer} declares {total} bytes but carries "
+                f"{header.inline} inline; {then}"
+            )
+        if header.kind != _RAW:
             msg.tensors = framing.split_inline(header, inline, sizes)
     elif device:
         msg.payload = P_OFFERED if offer else P_IN_STREAM
-    elif header.kind != Kind.RAW:
+    elif header.kind != _RAW:
         msg.payload = P_READ
     else:
         msg.payload = P_IN_STREAM

@@ -1,4 +1,5 @@
-/* Copies that write around the caches: rlcomm.comm.transports._stream_copy.
+/* Copies that write around the caches, and small frames joined in one call:
+ * rlcomm.comm.transports._stream_copy.
  *
  * copy(dst, src, n) copies n bytes between two non-overlapping buffers given by address,
  * with the GIL released. On x86-64 the destination is written with non-temporal stores
@@ -73,10 +74,42 @@ static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* joined(head, src, n): a new bytes object of head followed by the n bytes at address
+ * src. A small message's frame is its cached opening and its tensor's bytes: one call
+ * here instead of ctypes.string_at and a concatenation (ctypes' call alone costs about
+ * 0.3 us, a tenth of such a send). */
+static PyObject *joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3 || !PyBytes_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "joined(head, src, n) takes bytes and 2 integers");
+        return NULL;
+    }
+    void *src = PyLong_AsVoidPtr(args[1]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "joined: n must be >= 0");
+        return NULL;
+    }
+    Py_ssize_t h = PyBytes_GET_SIZE(args[0]);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, h + n);
+    if (out == NULL)
+        return NULL;
+    char *dst = PyBytes_AS_STRING(out);
+    memcpy(dst, PyBytes_AS_STRING(args[0]), (size_t)h);
+    memcpy(dst + h, src, (size_t)n);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
      "copy(dst, src, n): copy n bytes from address src to address dst (non-temporal "
      "stores where the CPU has them), the GIL released."},
+    {"joined", (PyCFunction)(void (*)(void))joined, METH_FASTCALL,
+     "joined(head, src, n): head (bytes) followed by the n bytes at address src, as "
+     "one new bytes object."},
     {NULL, NULL, 0, NULL},
 };
 

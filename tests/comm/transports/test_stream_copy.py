@@ -81,3 +81,16 @@ def test_a_large_bulk_copy_streams_and_lands_every_byte():
     dst = torch.zeros(n + 10, dtype=torch.uint8)
     bulk_copy.copy(dst[3 : 3 + n], src)
     assert torch.equal(dst[3 : 3 + n], src) and not dst[:3].any() and not dst[3 + n :].any()
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4, 4000])
+def test_joined_is_the_head_then_the_bytes_at_an_address(nbytes):
+    src = torch.randint(0, 256, (nbytes + 8,), dtype=torch.uint8)
+    got = _stream_copy.joined(b"head", src.data_ptr() + 3, nbytes)
+    assert type(got) is bytes and got == b"head" + bytes(src[3 : 3 + nbytes].tolist())
+
+
+@pytest.mark.parametrize("args", [(bytearray(b"h"), 0, 0), (b"h", 0), (b"h", 0, -1), (b"h", "x", 1)])
+def test_joined_refuses_bad_arguments(args):
+    with pytest.raises((TypeError, ValueError)):
+        _stream_copy.joined(*args)
