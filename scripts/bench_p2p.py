@@ -14,7 +14,8 @@ Compiled Graph between two actors, owned by the sender (it compiles the graph an
 executes it, the receiver's method takes the payload over Ray's shared-memory channels;
 up to 256 MiB, as the channel),
 timed inside the sender as rlcomm's paths are. Small payloads (up to 64 KiB) also go as
-``bytes`` objects, on rlcomm's ``send/recv`` and on the compiled graph.
+``bytes`` objects, on rlcomm's ``send/recv`` and on the compiled graph, and (latency
+only) as a dict of one tensor on rlcomm's ``send/recv``.
 
 Bandwidth is bytes / seconds per transfer (GB/s = 1e9 B/s), latency is half the round
 trip of a ping-pong; each figure is the median of ``--repeats`` timed batches, with min
@@ -55,6 +56,7 @@ CHANNEL_MAX = 256 << 20  # the largest channel put/get measured (see the docstri
 LATENCY_MAX = 64 << 10  # sizes up to this also get a ping-pong latency
 GLOO = CollectiveGroupOptions(transport="gloo")
 BYTES = " (bytes)"  # a path's suffix: the payload is a bytes object, not a tensor
+DICT = " (dict)"  # a path's suffix: the payload is a dict of one tensor (latency only)
 #: A compiled graph's executions in flight at most while streaming, and the bytes they
 #: may hold together (the graph's actors keep what they received until it is read: eight
 #: 256 MiB payloads in flight beside the rest of this run ran a 24 GiB machine out of
@@ -94,6 +96,8 @@ class BenchWorker(Worker):
         """The path without its payload suffix, and the payload (a tensor, or bytes)."""
         if path.endswith(BYTES):
             return path[: -len(BYTES)], b"x" * nbytes
+        if path.endswith(DICT):
+            return path[: -len(DICT)], {"x": self._buf(nbytes)}
         return path, self._buf(nbytes)
 
     def transfer(self, path: str, nbytes: int, iters: int) -> float:
@@ -476,7 +480,7 @@ class Bench:
         jobs += [("send/recv" + BYTES, s) for s in small]
         jobs += [(f"latency:{s}", s) for s in small]
         latency_paths = ["send/recv", "send_tensor/recv_tensor", "send/recv (gloo)", "raw gloo",
-                         *raw_shm, "send/recv" + BYTES]
+                         *raw_shm, "send/recv" + BYTES, "send/recv" + DICT]
         # The compiled graph's cases last: its threads take CPU time for a while after a
         # graph is torn down, which the case after it would pay.
         graph_jobs = [] if not self.graph_pair else [
@@ -577,6 +581,7 @@ class Bench:
             lines.append("\nLatency ratio, rlcomm send/recv over raw gloo (<1 is faster): " + ", ".join(
                 f"{human_size(s)} {a['median'] / b['median']:.2f}x" for s, a, b in lat if a and b))
         for ours, theirs in (("send/recv", "raw shm"), ("send/recv" + BYTES, "raw shm"),
+                             ("send/recv" + DICT, "raw shm"),
                              (GRAPH, "send/recv"), (GRAPH + BYTES, "send/recv" + BYTES)):
             pairs = [(s, self.get(ours, s, "latency_us"), self.get(theirs, s, "latency_us"))
                      for s in sizes if s <= LATENCY_MAX]

@@ -142,7 +142,7 @@ def render_p2p() -> str:
                            for p in lat_paths])
     rows = []
     for ours, theirs in (("send/recv", "raw shm"), ("send/recv (bytes)", "raw shm"),
-                         ("send_tensor/recv_tensor", "raw shm"),
+                         ("send/recv (dict)", "raw shm"), ("send_tensor/recv_tensor", "raw shm"),
                          ("ray compiled graph", "send/recv"),
                          ("ray compiled graph (bytes)", "send/recv (bytes)")):
         cells = []

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rlcomm.comm import codec
-from rlcomm.comm.codec import Kind, MessageHeader, TensorMeta
+from rlcomm.comm.codec import DictNode, Kind, MessageHeader, TensorMeta
 
 try:  # the opening and a tensor's bytes in one C call (the module is optional: setup.py)
     from rlcomm.comm.transports._stream_copy import joined as _joined
@@ -57,20 +57,24 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
 
 
 #: The opening (length and header) of the frames :func:`small_frame` builds, by
-#: ``(dtype, shape)`` of a tensor or by the length of a ``bytes`` object: a small
-#: message's header differs from the last one of its kind only in its payload. At most
-#: :data:`_OPENINGS_MAX` are kept (then new ones are built each time).
+#: ``(dtype, shape)`` of a tensor, by the length of a ``bytes`` object, or by ``("dict",
+#: key, dtype, shape, ...)`` of a dict: a small message's header differs from the last
+#: one of its kind only in its payload. At most :data:`_OPENINGS_MAX` are kept (then new
+#: ones are built each time).
 _OPENINGS: dict[object, bytes] = {}
 _OPENINGS_MAX = 1024
+#: Dicts of at most this many tensors have a one-frame form (a batch of rewards or an
+#: episode's metadata; a state dict is not small).
+_DICT_ENTRIES = 16
 
 
 def small_frame(obj: object) -> bytes | None:
-    """The whole frame of a message that is one small CPU tensor or one small ``bytes``
-    object (without a piggyback), or None for any other message (:func:`pack` frames
-    those). The frame is byte for byte the one :func:`pack` makes of
-    ``codec.encode(obj)``; its opening comes from a cache and its payload is copied
-    once, so that the commonest small messages skip the codec (about 10 µs of a 4 B
-    send on the development machine)."""
+    """The whole frame of a message that is one small CPU tensor, one small ``bytes``
+    object or a small dict of CPU tensors by ``str`` keys (without a piggyback), or None
+    for any other message (:func:`pack` frames those). The frame is byte for byte the
+    one :func:`pack` makes of ``codec.encode(obj)``; its opening comes from a cache and
+    its payload is copied once, so that the commonest small messages skip the codec
+    (about 10 µs of a 4 B send on the development machine)."""
     tp = type(obj)
     if tp is bytes:
         n = len(obj)  # type: ignore[arg-type]
@@ -81,28 +85,80 @@ def small_frame(obj: object) -> bytes | None:
             opening = _remember(n, MessageHeader(
                 Kind.BYTES, [TensorMeta("uint8", (n,), "cpu")], inline=n))
         return opening + obj  # type: ignore[operator]
-    if tp is not torch.Tensor:
-        return None
-    t: torch.Tensor = obj  # type: ignore[assignment]
+    if tp is torch.Tensor:
+        t: torch.Tensor = obj  # type: ignore[assignment]
+        n = _small_bytes(t)
+        if not n:
+            return None
+        opening = _OPENINGS.get((t.dtype, t.shape))
+        if opening is None:
+            opening = _opening_of((t.dtype, t.shape), Kind.TENSOR, [t], None, n)
+            if opening is None:
+                return None
+        # Dense, contiguous and alive: its n bytes start at data_ptr().
+        if _joined is not None:
+            return _joined(opening, t.data_ptr(), n)
+        return opening + ctypes.string_at(t.data_ptr(), n)
+    if tp is dict and 0 < len(obj) <= _DICT_ENTRIES:  # type: ignore[arg-type]
+        return _dict_frame(obj)  # type: ignore[arg-type]
+    return None
+
+
+def payload_bytes(frame: bytes) -> int:
+    """The payload bytes a frame of :func:`small_frame` carries (what follows its
+    opening)."""
+    return len(frame) - _LEN.size - _LEN.unpack_from(frame)[0]
+
+
+def _small_bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t`` when it is a tensor a one-frame message carries as it is (a
+    dense, contiguous CPU tensor of 1 to :data:`INLINE_BYTES` bytes), else 0."""
     if not t.is_cpu or t.layout is not torch.strided:
-        return None
+        return 0
     n = t.nbytes  # first: a large tensor, most sends', goes on after two more looks
     if not 0 < n <= INLINE_BYTES:
-        return None
+        return 0
     # What prepare() would change or refuse goes the general way.
     if t.requires_grad or t.is_nested or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return 0
+    return n
+
+
+def _opening_of(key: object, kind: Kind, tensors: list[torch.Tensor],
+                structure: DictNode | None, inline: int) -> bytes | None:
+    """The opening of a one-frame message of ``tensors`` (kept by ``key``), or None
+    where a dtype is one a header cannot carry (the general path says so)."""
+    try:
+        metas = [codec.meta_of(t) for t in tensors]
+    except KeyError:
         return None
-    opening = _OPENINGS.get((t.dtype, t.shape))
-    if opening is None:
-        try:
-            meta = codec.meta_of(t)
-        except KeyError:  # a dtype a header cannot carry: the general path says so
+    return _remember(key, MessageHeader(kind, metas, structure, inline=inline))
+
+
+def _dict_frame(obj: dict) -> bytes | None:
+    """:func:`small_frame` of a dict: each value a tensor as :func:`_small_bytes` takes
+    it, by a ``str`` key, all of them at most :data:`INLINE_BYTES`."""
+    key: list[object] = ["dict"]
+    sizes = []
+    for name, t in obj.items():
+        if type(name) is not str or type(t) is not torch.Tensor:
             return None
-        opening = _remember((t.dtype, meta.shape), MessageHeader(Kind.TENSOR, [meta], inline=n))
-    # Dense, contiguous and alive: its n bytes start at data_ptr().
-    if _joined is not None:
-        return _joined(opening, t.data_ptr(), n)
-    return opening + ctypes.string_at(t.data_ptr(), n)
+        n = _small_bytes(t)
+        if not n:
+            return None
+        sizes.append(n)
+        key += (name, t.dtype, t.shape)
+    total = sum(sizes)
+    if total > INLINE_BYTES:
+        return None
+    opening = _OPENINGS.get(tuple(key))
+    if opening is None:
+        opening = _opening_of(tuple(key), Kind.TENSOR_DICT, list(obj.values()),
+                              DictNode(list(obj), list(range(len(obj)))), total)
+        if opening is None:
+            return None
+    string_at = ctypes.string_at
+    return b"".join([opening, *(string_at(t.data_ptr(), n) for t, n in zip(obj.values(), sizes))])
 
 
 def _remember(key: object, header: MessageHeader) -> bytes:
@@ -162,13 +218,13 @@ def unpack(frame: bytes) -> tuple[MessageHeader, bytes, bytes]:
     return header, inline, offer
 
 
-#: Tensors made ahead for the next one-tensor message of a known header, by the header's
-#: ``id`` (a known header is one object, kept for good: :data:`_KNOWN_IDS`), each as
-#: ``(bytearray, tensor)``, the tensor a view of the bytearray. A receiver makes the one
-#: for the last such message taken in before it waits (:func:`spare_ahead`): right after
-#: a message arrives, making a small tensor took 8-9 µs on the development machine (a
-#: tenth of a 4 B tensor's one-way time there), and made while waiting it costs the
-#: message nothing. At most :data:`_SPARES_MAX` are kept.
+#: Tensors made ahead for the next one-tensor message (a tensor, or a dict or list of
+#: one) of a known header, by the header's ``id`` (a known header is one object, kept
+#: for good: :data:`_KNOWN_IDS`), each as ``(bytearray, tensor)``, the tensor a view of
+#: the bytearray. A receiver makes the one for the last such message taken in before it
+#: waits (:func:`spare_ahead`): right after a message arrives, making a small tensor took
+#: 8-9 µs on the development machine (a tenth of a 4 B tensor's one-way time there), and
+#: made while waiting it costs the message nothing. At most :data:`_SPARES_MAX` are kept.
 _SPARES: dict[int, tuple[bytearray, torch.Tensor]] = {}
 _SPARES_MAX = 8
 _SPARE_FOR: list[MessageHeader | None] = [None]
@@ -202,8 +258,8 @@ def _take_spare(header: MessageHeader, inline: bytes) -> torch.Tensor | None:
 
 
 # The kinds split_inline tells apart, as plain ints (every small message is split: an
-# enum member's lookup costs about 60 ns on Python 3.11, three of them a fifth of it).
-_OBJECT, _BYTES, _TENSOR = int(Kind.OBJECT), int(Kind.BYTES), int(Kind.TENSOR)
+# enum member's lookup costs about 60 ns on Python 3.11, two of them a fifth of it).
+_OBJECT, _BYTES = int(Kind.OBJECT), int(Kind.BYTES)
 
 
 def split_inline(
@@ -215,7 +271,8 @@ def split_inline(
     kind = header.kind
     if kind == _BYTES or kind == _OBJECT:
         return [inline]
-    if kind == _TENSOR and inline:
+    one = len(header.tensors) == 1  # a tensor, or a dict or list of one
+    if one and inline:
         spare = _take_spare(header, inline)
         if spare is not None:
             return [spare]
@@ -233,7 +290,7 @@ def split_inline(
         else:
             tensors.append(codec.empty_like_meta(meta, torch.device("cpu")))
         offset += n
-    if kind == _TENSOR and inline and _KNOWN_IDS.get(id(header)) is header:
+    if one and inline and _KNOWN_IDS.get(id(header)) is header:
         _SPARE_FOR[0] = header  # made once: the next one is made ahead
     return tensors
 

@@ -36,7 +36,7 @@ from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.connection import NOT_PLAIN
 from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.flight import RECORDER
-from rlcomm.comm.framing import small_frame
+from rlcomm.comm.framing import payload_bytes, small_frame
 from rlcomm.comm.handshake import Handshake
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.identity.endpoint import decode_endpoint, encode_endpoint
@@ -197,8 +197,7 @@ class CommManager:
     ) -> AsyncWork | None:
         if not (raw or async_op or bucket_bytes) and piggyback is None:
             frame = small_frame(obj)
-            if frame is not None and self._send_small(
-                    frame, len(obj) if type(obj) is bytes else obj.nbytes, dst, options):
+            if frame is not None and self._send_small(frame, payload_bytes(frame), dst, options):
                 return None
         header, tensors = codec.encode_raw(obj) if raw else codec.encode(obj, piggyback)
         if not raw and tensors and not tensors[0].is_cuda:

@@ -3,6 +3,8 @@ and the cache of received headers, each against the general path it stands in fo
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -22,6 +24,14 @@ SMALL = [
     pytest.param(torch.tensor([True, False]), id="bool"),
     pytest.param(torch.arange(10.0)[3:7], id="a-view-with-an-offset"),
     pytest.param(torch.ones(framing.INLINE_BYTES // 4), id="float32-at-the-limit"),
+    pytest.param({"reward": torch.ones(1)}, id="dict"),
+    pytest.param({"reward": torch.ones(2, 3), "done": torch.tensor([True]),
+                  "step": torch.tensor(4), "logp": torch.ones(5, dtype=torch.bfloat16)},
+                 id="dict-of-four"),
+    pytest.param({"a": torch.ones(framing.INLINE_BYTES // 8),
+                  "b": torch.ones(framing.INLINE_BYTES // 8)}, id="dict-at-the-limit"),
+    pytest.param({str(i): torch.tensor([i]) for i in range(framing._DICT_ENTRIES)},
+                 id="dict-of-the-most-entries"),
 ]
 
 GENERAL = [
@@ -35,8 +45,19 @@ GENERAL = [
     pytest.param(torch.ones(2).to_sparse(), id="sparse"),
     pytest.param(torch.nn.Parameter(torch.ones(2)), id="parameter"),
     pytest.param(bytearray(b"abcd"), id="bytearray"),
-    pytest.param({"reward": torch.ones(1)}, id="dict"),
     pytest.param(1.0, id="float"),
+    pytest.param({}, id="empty-dict"),
+    pytest.param({1: torch.ones(1)}, id="dict-by-int"),
+    pytest.param({"a": torch.ones(1), "b": 2}, id="dict-with-a-number"),
+    pytest.param({"a": torch.ones(2, requires_grad=True)}, id="dict-requires-grad"),
+    pytest.param({"a": torch.nn.Parameter(torch.ones(2))}, id="dict-of-a-parameter"),
+    pytest.param({"a": torch.ones(0)}, id="dict-with-an-empty-tensor"),
+    pytest.param({"a": torch.ones(3, 3).t()}, id="dict-non-contiguous"),
+    pytest.param({"a": torch.ones(framing.INLINE_BYTES // 8),
+                  "b": torch.ones(framing.INLINE_BYTES // 8 + 1)}, id="dict-over-the-limit"),
+    pytest.param({str(i): torch.tensor([i]) for i in range(framing._DICT_ENTRIES + 1)},
+                 id="dict-of-too-many-entries"),
+    pytest.param(collections.OrderedDict(a=torch.ones(1)), id="ordered-dict"),
 ]
 
 
@@ -54,7 +75,7 @@ def test_a_small_frame_is_the_frame_the_general_path_makes(obj, join):
     frame = framing.small_frame(obj)
     header, tensors = codec.encode(obj)
     general, payload = framing.pack(header, tensors)
-    assert frame == general and payload == []
+    assert frame == general and payload == [] and framing.payload_bytes(frame) == header.inline
     assert framing.small_frame(obj) == frame  # its opening cached now, the same frame
 
 
@@ -151,6 +172,19 @@ def test_the_next_tensor_of_a_known_header_is_made_ahead(no_spares):
     assert (first.tolist(), second.tolist(), third.tolist()) == ([1, 2], [3, 4], [5, 6])
     second += 1  # the receiver's to change, like any received tensor
     assert _received(torch.tensor([7.0, 8.0])).tolist() == [7, 8]
+
+
+def test_a_dict_of_one_tensor_gets_a_tensor_made_ahead_too(no_spares):
+    first = _received({"reward": torch.tensor([1.0])})
+    framing.spare_ahead()
+    (made,) = framing._SPARES.values()
+    second = _received({"reward": torch.tensor([2.0])})
+    assert list(second) == ["reward"] and second["reward"] is made[1]
+    assert first["reward"].tolist() == [1.0] and second["reward"].tolist() == [2.0]
+    framing.spare_ahead()
+    # Another key, the same tensor: another header, another spare, not this one.
+    assert _received({"value": torch.tensor([3.0])}) == {"value": torch.tensor([3.0])}
+    assert _received({"reward": torch.tensor([4.0])})["reward"] is not second["reward"]
 
 
 def test_a_spare_of_one_shape_is_not_taken_by_another(no_spares):

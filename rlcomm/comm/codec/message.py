@@ -125,7 +125,7 @@ def encode_raw(tensor: torch.Tensor) -> tuple[MessageHeader, list[torch.Tensor]]
 
 # The kinds :func:`decode` looks for first, as plain ints (an enum member's lookup costs
 # about 50 ns, a tenth of decoding a small message).
-_TENSOR, _BYTES = int(Kind.TENSOR), int(Kind.BYTES)
+_TENSOR, _BYTES, _DICT = int(Kind.TENSOR), int(Kind.BYTES), int(Kind.TENSOR_DICT)
 
 
 def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
@@ -139,11 +139,13 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
             dataclass cannot be imported here, or unpickling fails.
     """
     kind, n = header.kind, len(header.tensors)
-    if n == 1 and header.piggyback is None and len(tensors) == 1:  # the commonest messages
-        if kind == _TENSOR:
+    if header.piggyback is None and len(tensors) == n:  # the commonest messages
+        if n == 1 and kind == _TENSOR:
             return tensors[0]
-        if kind == _BYTES and type(tensors[0]) is bytes:
+        if n == 1 and kind == _BYTES and type(tensors[0]) is bytes:
             return tensors[0]
+        if kind == _DICT and type(header.structure) is DictNode:
+            return _built(header.structure, tensors)
     if len(tensors) != n or (
         n != 1 and kind in (Kind.TENSOR, Kind.RAW, Kind.OBJECT, Kind.BYTES)
     ):
@@ -164,10 +166,7 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
     elif kind == Kind.BYTES:
         obj = _to_bytes(tensors[0], header.tensors[0])
     elif type(header.structure) is (DictNode if kind == Kind.TENSOR_DICT else DataclassNode):
-        try:
-            obj = build(header.structure, tensors)
-        except RecursionError as exc:
-            raise CodecError("the message structure is nested too deeply") from exc
+        obj = _built(header.structure, tensors)
     else:
         raise CodecError(f"a {Kind(kind).name} message has structure {header.structure!r}")
     if header.piggyback is not None:
@@ -175,6 +174,11 @@ def decode(header: MessageHeader, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+def _built(structure: DictNode | DataclassNode, tensors: list[torch.Tensor]) -> Any:
+    try:
+        return build(structure, tensors)
+    except RecursionError as exc:
+        raise CodecError("the message structure is nested too deeply") from exc
 
 
 def destinations(header: MessageHeader, into: Any) -> list[torch.Tensor]:
