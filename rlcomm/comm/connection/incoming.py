@@ -112,10 +112,12 @@ def classify(
             f"{what} from {peer} declares {total} bytes, over this worker's "
             f"limit of {limit} (RLCOMM_MAX_MESSAGE_BYTES); {then}"
         )
-    if header.inline:  # the commonest: a small CPU payload in the frame
-        if offer:
-            raise ProtocolMismatchError(
-                f"{what} from {peer} carries a device offer but no CUDA tensors; {then}")
+    device = not header.inline and bool(metas) and metas[0].device == "cuda"
+    if offer and not device:
+        raise ProtocolMismatchError(
+            f"{what} from {peer} carries a device offer but no CUDA tensors; {then}"
+        )
+    if header.inline or not metas:  # the commonest: a small CPU payload in the frame
         if header.inline != total or len(inline) != total:
             raise ProtocolMismatchError(
                 f"{what} from {peer} declares {total} bytes but carries "
@@ -126,22 +128,9 @@ def classify(
         if header.kind != _RAW:
             msg.tensors = framing.split_inline(header, inline, sizes)
         return msg
-    device = bool(metas) and metas[0].device == "cuda"
-    if offer and not device:
-        raise ProtocolMismatchError(
-            f"{what} from {peer} carries a device offer but no CUDA tensors; {then}"
-        )
     msg = Incoming(header, inline, offer, P_INLINE, device)
     msg.sizes = sizes
-    if not metas:
-        if total or inline:
-            raise ProtocolMismatchError(
-                f"{what} from {peer} declares {total} bytes but carries "
-                f"{header.inline} inline; {then}"
-            )
-        if header.kind != _RAW:
-            msg.tensors = framing.split_inline(header, inline, sizes)
-    elif device:
+    if device:
         msg.payload = P_OFFERED if offer else P_IN_STREAM
     elif header.kind != _RAW:
         msg.payload = P_READ
