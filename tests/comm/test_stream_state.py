@@ -415,6 +415,7 @@ def test_where_a_received_payload_is(header, inline, offer, payload, device):
     [
         (_header(nbytes=1 << 40), b"", b"", "over this worker's limit"),
         (_header(), b"", b"\x93offer", "device offer but no CUDA tensors"),
+        (_header(nbytes=4, inline=4), b"abcd", b"\x93offer", "device offer but no CUDA tensors"),
         (_header(nbytes=4, inline=4), b"abc", b"", "carries 4 inline"),
         (_header(nbytes=4, inline=3), b"abc", b"", "declares 4 bytes"),
     ],
