@@ -202,3 +202,43 @@ def test_a_worker_that_exits_fails_the_call_with_its_address(cluster):
         assert len(group.execute_on(0).pid().wait(timeout=30)) == 1
     finally:
         group.shutdown()
+
+
+UNTRACED = ("send", "recv", "send_tensor", "recv_tensor", "broadcast")
+
+
+class SelfCaller(Worker):
+    """Rank 0 sends to rank 1 through a call a subclass does not override (``send``),
+    rank 1 receives through one it does (``recv``)."""
+
+    def recv(self, *args, **kwargs):
+        self.overridden_recvs = getattr(self, "overridden_recvs", 0) + 1
+        return super().recv(*args, **kwargs)
+
+    def bound(self):
+        return {name: getattr(getattr(self, name).__func__, "__ray_tracing_wrapped__", False)
+                for name in UNTRACED}
+
+    def traced_on_class(self):
+        return getattr(type(self).send, "__ray_tracing_wrapped__", False)
+
+    def pass_on(self):
+        if self._rank == 0:
+            self.send(b"abcd", self.worker_group_name, 1)
+            return None
+        return self.recv(self.worker_group_name, 0), self.overridden_recvs
+
+
+@cpu_only_cluster
+def test_a_worker_calls_its_own_comm_methods_without_rays_tracing_wrappers(cluster):
+    """Ray wraps every method of an actor class for tracing (two wrappers a call); the
+    calls a worker makes of itself per message are bound on it without them, its
+    subclass's overrides kept, while the class Ray runs remote calls from keeps them."""
+    group = SelfCaller.create_group().launch(cluster, NodePlacementStrategy([0, 0]),
+                                             name="untraced")
+    try:
+        assert group.traced_on_class().wait() == [True, True]  # what Ray calls is unchanged
+        assert group.bound().wait() == [dict.fromkeys(UNTRACED, False)] * 2
+        assert group.pass_on().wait() == [None, (b"abcd", 1)]
+    finally:
+        group.shutdown()
