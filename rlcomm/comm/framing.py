@@ -56,13 +56,16 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
     return _LEN.pack(len(hb)) + hb, [codec.as_bytes(t) for t in tensors if t.numel()]
 
 
-#: The opening (length and header) of the frames :func:`small_frame` builds, by
-#: ``(dtype, shape)`` of a tensor, by the length of a ``bytes`` object, or by ``("dict",
-#: key, dtype, shape, ...)`` of a dict: a small message's header differs from the last
-#: one of its kind only in its payload. At most :data:`_OPENINGS_MAX` are kept (then new
-#: ones are built each time).
+#: The opening (length and header) of the frames :func:`small_frame` builds, by the
+#: length of a ``bytes`` object, or by ``("dict", key, dtype, shape, ...)`` of a dict
+#: (a tensor's: :data:`_TENSOR_OPENINGS`): a small message's header differs from the
+#: last one of its kind only in its payload. At most :data:`_OPENINGS_MAX` are kept (then
+#: new ones are built each time).
 _OPENINGS: dict[object, bytes] = {}
 _OPENINGS_MAX = 1024
+#: What :func:`_sized` keeps of a tensor, by ``(dtype, shape)``.
+_TENSOR_OPENINGS: dict[tuple[torch.dtype, torch.Size],
+                       tuple[tuple[torch.dtype, torch.Size], bytes, int]] = {}
 #: Dicts of at most this many tensors have a one-frame form (a batch of rewards or an
 #: episode's metadata; a state dict is not small).
 _DICT_ENTRIES = 16
@@ -87,14 +90,10 @@ def small_frame(obj: object) -> bytes | None:
         return opening + obj  # type: ignore[operator]
     if tp is torch.Tensor:
         t: torch.Tensor = obj  # type: ignore[assignment]
-        n = _small_bytes(t)
-        if not n:
+        known = _sized(t)
+        if known is None:
             return None
-        opening = _OPENINGS.get((t.dtype, t.shape))
-        if opening is None:
-            opening = _opening_of((t.dtype, t.shape), Kind.TENSOR, [t], None, n)
-            if opening is None:
-                return None
+        _, opening, n = known
         # Dense, contiguous and alive: its n bytes start at data_ptr().
         if _joined is not None:
             return _joined(opening, t.data_ptr(), n)
@@ -110,18 +109,43 @@ def payload_bytes(frame: bytes) -> int:
     return len(frame) - _LEN.size - _LEN.unpack_from(frame)[0]
 
 
-def _small_bytes(t: torch.Tensor) -> int:
-    """The bytes of ``t`` when it is a tensor a one-frame message carries as it is (a
-    dense, contiguous CPU tensor of 1 to :data:`INLINE_BYTES` bytes), else 0."""
-    if not t.is_cpu or t.layout is not torch.strided:
-        return 0
-    n = t.nbytes  # first: a large tensor, most sends', goes on after two more looks
+def _sized(t: torch.Tensor) -> tuple[tuple[torch.dtype, torch.Size], bytes, int] | None:
+    """``((dtype, shape), opening, bytes)`` of a tensor that a one-frame message carries
+    as it is (a dense, contiguous CPU tensor of 1 to :data:`INLINE_BYTES` bytes), its
+    opening that of a message of it alone; else None.
+
+    Each look at a tensor is a call into torch, dearer where a message goes than in a
+    loop (0.2-0.4 µs each on the development machine): the opening is kept with the
+    tensor's size, and only the looks that decide its bytes are taken. What
+    :func:`codec.prepare` would refuse, or change in its bytes, goes the general way (it
+    detaches a tensor that requires grad: the same bytes and header)."""
+    if not t.is_cpu or t.layout is not torch.strided or t.is_nested:
+        return None  # (a nested tensor's shape cannot be read)
+    dtype = t.dtype
+    known = _TENSOR_OPENINGS.get((dtype, t.shape))
+    if known is None:
+        known = _tensor_opening(t)
+        if known is None:
+            return None
+    if not t.is_contiguous() or t.is_neg() or (dtype.is_complex and t.is_conj()):
+        return None
+    return known
+
+
+def _tensor_opening(t: torch.Tensor) -> tuple[tuple[torch.dtype, torch.Size], bytes, int] | None:
+    """:func:`_sized` of a dense CPU tensor whose dtype and shape are not kept yet (kept
+    now), or None where it is not small or its dtype is one a header cannot carry."""
+    n = t.nbytes
     if not 0 < n <= INLINE_BYTES:
-        return 0
-    # What prepare() would change or refuse goes the general way.
-    if t.requires_grad or t.is_nested or not t.is_contiguous() or t.is_conj() or t.is_neg():
-        return 0
-    return n
+        return None
+    opening = _opening_of(None, Kind.TENSOR, [t], None, n)
+    if opening is None:
+        return None
+    key = (t.dtype, t.shape)
+    known = key, opening, n
+    if len(_TENSOR_OPENINGS) < _OPENINGS_MAX:
+        _TENSOR_OPENINGS[key] = known
+    return known
 
 
 def _opening_of(key: object, kind: Kind, tensors: list[torch.Tensor],
@@ -136,19 +160,21 @@ def _opening_of(key: object, kind: Kind, tensors: list[torch.Tensor],
 
 
 def _dict_frame(obj: dict) -> bytes | None:
-    """:func:`small_frame` of a dict: each value a tensor as :func:`_small_bytes` takes
-    it, by a ``str`` key, all of them at most :data:`INLINE_BYTES`."""
+    """:func:`small_frame` of a dict: each value a tensor as :func:`_sized` takes it, by
+    a ``str`` key, all of them at most :data:`INLINE_BYTES`."""
     key: list[object] = ["dict"]
-    sizes = []
+    parts: list[int] = []  # each tensor's address and bytes
+    total = 0
     for name, t in obj.items():
         if type(name) is not str or type(t) is not torch.Tensor:
             return None
-        n = _small_bytes(t)
-        if not n:
+        known = _sized(t)
+        if known is None:
             return None
-        sizes.append(n)
-        key += (name, t.dtype, t.shape)
-    total = sum(sizes)
+        tkey, _, n = known
+        key += (name, tkey)
+        parts += (t.data_ptr(), n)
+        total += n
     if total > INLINE_BYTES:
         return None
     opening = _OPENINGS.get(tuple(key))
@@ -157,14 +183,18 @@ def _dict_frame(obj: dict) -> bytes | None:
                               DictNode(list(obj), list(range(len(obj)))), total)
         if opening is None:
             return None
+    if _joined is not None:
+        return _joined(opening, *parts)
     string_at = ctypes.string_at
-    return b"".join([opening, *(string_at(t.data_ptr(), n) for t, n in zip(obj.values(), sizes))])
+    return b"".join([opening, *(string_at(parts[i], parts[i + 1])
+                                for i in range(0, len(parts), 2))])
 
 
 def _remember(key: object, header: MessageHeader) -> bytes:
+    """The opening of ``header``'s frames, kept by ``key`` (``None``: by the caller)."""
     hb = codec.header_to_bytes(header)
     opening = _LEN.pack(len(hb)) + hb
-    if len(_OPENINGS) < _OPENINGS_MAX:
+    if key is not None and len(_OPENINGS) < _OPENINGS_MAX:
         _OPENINGS[key] = opening
     return opening
 

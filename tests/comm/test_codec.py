@@ -690,3 +690,18 @@ def test_pickling_reentered_from_a_reduce_and_reused_across_messages():
     second = codec.encode({"a": [1, 2]})
     assert first[1][0].numpy().tobytes() == second[1][0].numpy().tobytes()
     assert codec.decode(*second) == {"a": [1, 2]}
+
+
+def test_a_dict_decodes_to_the_tensors_its_node_names_in_any_order():
+    """A flat dict (each key's tensor in turn) is rebuilt without walking its node; a
+    node naming the tensors in another order is walked, and means what it says."""
+    a, b = torch.ones(1), torch.zeros(2)
+    header, tensors = encode({"a": a, "b": b})
+    assert header.structure.values == [0, 1]
+    out = decode(header, [a, b])
+    assert list(out) == ["a", "b"] and out["a"] is a and out["b"] is b
+    swapped = MessageHeader(header.kind, header.tensors[::-1], DictNode(["a", "b"], [1, 0]))
+    out = decode(swapped, [b, a])
+    assert list(out) == ["a", "b"] and out["a"] is a and out["b"] is b
+    with pytest.raises(CodecError, match="refers to tensor 2"):
+        decode(MessageHeader(header.kind, header.tensors, DictNode(["a", "b"], [0, 2])), [a, b])

@@ -32,6 +32,9 @@ SMALL = [
                   "b": torch.ones(framing.INLINE_BYTES // 8)}, id="dict-at-the-limit"),
     pytest.param({str(i): torch.tensor([i]) for i in range(framing._DICT_ENTRIES)},
                  id="dict-of-the-most-entries"),
+    # The general path detaches it: the same header and bytes.
+    pytest.param(torch.ones(2, requires_grad=True), id="requires-grad"),
+    pytest.param({"a": torch.ones(2, requires_grad=True)}, id="dict-requires-grad"),
 ]
 
 GENERAL = [
@@ -40,8 +43,9 @@ GENERAL = [
     pytest.param(torch.ones(framing.INLINE_BYTES // 4 + 1), id="tensor-over-the-limit"),
     pytest.param(torch.ones(0), id="empty-tensor"),
     pytest.param(torch.ones(3, 3).t(), id="non-contiguous"),
-    pytest.param(torch.ones(2, requires_grad=True), id="requires-grad"),
     pytest.param(torch.ones(2, dtype=torch.complex64).conj(), id="lazy-conj"),
+    pytest.param(torch.ones(2, dtype=torch.complex64).conj().imag, id="lazy-neg"),
+    pytest.param(torch.nested.nested_tensor([torch.ones(1), torch.ones(2)]), id="nested"),
     pytest.param(torch.ones(2).to_sparse(), id="sparse"),
     pytest.param(torch.nn.Parameter(torch.ones(2)), id="parameter"),
     pytest.param(bytearray(b"abcd"), id="bytearray"),
@@ -49,7 +53,6 @@ GENERAL = [
     pytest.param({}, id="empty-dict"),
     pytest.param({1: torch.ones(1)}, id="dict-by-int"),
     pytest.param({"a": torch.ones(1), "b": 2}, id="dict-with-a-number"),
-    pytest.param({"a": torch.ones(2, requires_grad=True)}, id="dict-requires-grad"),
     pytest.param({"a": torch.nn.Parameter(torch.ones(2))}, id="dict-of-a-parameter"),
     pytest.param({"a": torch.ones(0)}, id="dict-with-an-empty-tensor"),
     pytest.param({"a": torch.ones(3, 3).t()}, id="dict-non-contiguous"),
@@ -82,6 +85,17 @@ def test_a_small_frame_is_the_frame_the_general_path_makes(obj, join):
 @pytest.mark.parametrize("obj", GENERAL)
 def test_other_messages_have_no_small_frame(obj):
     assert framing.small_frame(obj) is None
+
+
+def test_a_known_dtype_and_shape_still_has_each_tensor_looked_at():
+    """The opening is kept by dtype and shape; whether a tensor's memory is its bytes
+    is looked at for each tensor."""
+    square = torch.arange(9.0).view(3, 3)
+    assert framing.small_frame(square) is not None
+    assert framing.small_frame(square.t()) is None
+    pair = torch.ones(2, dtype=torch.complex64)
+    assert framing.small_frame(pair.imag.contiguous()) is not None
+    assert framing.small_frame(pair.conj().imag) is None  # a lazy negative
 
 
 def test_a_small_frame_carries_the_tensor_as_it_is_now(join):

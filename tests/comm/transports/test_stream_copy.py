@@ -90,7 +90,17 @@ def test_joined_is_the_head_then_the_bytes_at_an_address(nbytes):
     assert type(got) is bytes and got == b"head" + bytes(src[3 : 3 + nbytes].tolist())
 
 
-@pytest.mark.parametrize("args", [(bytearray(b"h"), 0, 0), (b"h", 0), (b"h", 0, -1), (b"h", "x", 1)])
+def test_joined_takes_several_addresses_in_turn():
+    a = torch.arange(5, dtype=torch.uint8)
+    b = torch.arange(100, 107, dtype=torch.uint8)
+    got = _stream_copy.joined(b"hd", a.data_ptr(), 5, b.data_ptr() + 2, 4, a.data_ptr(), 0)
+    assert got == b"hd" + bytes([0, 1, 2, 3, 4, 102, 103, 104, 105])
+
+
+@pytest.mark.parametrize("args", [
+    (bytearray(b"h"), 0, 0), (b"h", 0), (b"h", 0, -1), (b"h", "x", 1), (b"h", 0, 0, 0),
+    (b"h", 0, 0, 0, -1), (b"h", 0, 0, "x", 1), (b"h", 0, 1 << 62, 0, 1 << 62),
+])
 def test_joined_refuses_bad_arguments(args):
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises((TypeError, ValueError, OverflowError)):
         _stream_copy.joined(*args)
