@@ -18,8 +18,10 @@ timed inside the sender as rlcomm's paths are. Small payloads (up to 64 KiB) als
 only) as a dict of one tensor on rlcomm's ``send/recv``.
 
 Bandwidth is bytes / seconds per transfer (GB/s = 1e9 B/s), latency is half the round
-trip of a ping-pong; each figure is the median of ``--repeats`` timed batches, with min
-and max. The latency batches of one size go in rounds, a batch of each path in turn
+trip of a ping-pong; each figure is the median of ``--repeats`` timed batches
+(``--latency-repeats`` for latency: its batches are short, and a median of few of them
+swings with the machine's moods), with min and max. The latency batches of one size go
+in rounds, a batch of each path in turn
 (the compiled graph's two in rounds of their own, while its graph lives), so that the
 machine's moods fall on every path alike. The compiled graph's cases come after all
 others: its actors keep taking CPU time for a while after a graph is torn down. Times are taken inside the workers, except
@@ -406,7 +408,7 @@ class Bench:
         for p in paths:  # warm-up
             self.time_batch("ping_pong", p, nbytes, max(1, iters // 4))
         out: dict[str, list[float]] = {p: [] for p in paths}
-        for _ in range(self.args.repeats):
+        for _ in range(self.args.latency_repeats):
             for p in paths:
                 out[p].append(self.time_batch("ping_pong", p, nbytes, iters) / iters)
         return out
@@ -434,7 +436,7 @@ class Bench:
             for kind in kinds.values():
                 ray.get(sender.ping_pong.remote(kind, nbytes, max(1, iters // 4)), timeout=600)
             out: dict[str, list[float]] = {p: [] for p in kinds}
-            for _ in range(self.args.repeats):
+            for _ in range(self.args.latency_repeats):
                 for p, kind in kinds.items():
                     out[p].append(
                         ray.get(sender.ping_pong.remote(kind, nbytes, iters), timeout=600) / iters)
@@ -630,6 +632,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated message sizes in bytes (default 4 B .. 1 GiB)")
     parser.add_argument("--max-size", type=int, default=None, help="drop sizes above this")
     parser.add_argument("--repeats", type=int, default=5, help="timed batches per case")
+    parser.add_argument("--latency-repeats", type=int, default=15,
+                        help="timed batches per latency case (rounds of every path)")
     parser.add_argument("--target-bytes", type=int, default=256 << 20,
                         help="bytes moved per timed batch (sets the iterations per size)")
     parser.add_argument("--cold-repeats", type=int, default=2, help="fresh pairs for cold start")
