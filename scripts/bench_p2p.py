@@ -163,10 +163,14 @@ class BenchWorker(Worker):
         return time.perf_counter() - start
 
     def ping_pong(self, path: str, nbytes: int, iters: int) -> float:
+        """Seconds for ``iters`` round trips, timed from a first, untimed one: the two
+        workers' calls start apart (each a Ray call of its own), and the time one waits
+        for the other is not the path's."""
         group, peer = self._peer()
         path, t = self._payload(path, nbytes)
-        start = time.perf_counter()
-        for _ in range(iters):
+        for i in range(iters + 1):
+            if i == 1:
+                start = time.perf_counter()
             if path == "raw gloo":
                 if self._rank == 0:
                     dist.send(t, 1)
