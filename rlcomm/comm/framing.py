@@ -41,10 +41,12 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
     Sets ``header.inline``: a CPU payload of at most :data:`INLINE_BYTES` rides in the
     frame and the payload list is then empty, unless the message streams in buckets.
     CUDA payloads never ride inline; their tensors are returned as they are, for the
-    accelerator transport.
+    accelerator transport. ``tensors`` are as :func:`codec.encode` returns them
+    (contiguous, detached, without lazy conj or neg bits): each is viewed as bytes
+    without the looks of :func:`codec.as_bytes` (four torch calls a tensor).
     """
     on_cuda = bool(tensors) and tensors[0].is_cuda
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    total = sum(t.nbytes for t in tensors)
     if total and not on_cuda and total <= INLINE_BYTES and not header.stream:
         header.inline = total
         hb = codec.header_to_bytes(header)
@@ -53,7 +55,7 @@ def pack(header: MessageHeader, tensors: list[torch.Tensor]) -> tuple[bytes, lis
     hb = codec.header_to_bytes(header)
     if on_cuda:
         return _LEN.pack(len(hb)) + hb, list(tensors)
-    return _LEN.pack(len(hb)) + hb, [codec.as_bytes(t) for t in tensors if t.numel()]
+    return _LEN.pack(len(hb)) + hb, [t.reshape(-1).view(torch.uint8) for t in tensors if t.nbytes]
 
 
 #: The opening (length and header) of the frames :func:`small_frame` builds, by the
@@ -341,5 +343,6 @@ def tensors_from_payload(
         if meta.nbytes == 0:
             tensors.append(codec.empty_like_meta(meta, device or torch.device("cpu")))
         else:
-            tensors.append(next(it).view(codec.dtype_of(meta.dtype)).reshape(meta.shape))
+            flat = next(it).view(codec.dtype_of(meta.dtype))
+            tensors.append(flat if len(meta.shape) == 1 else flat.reshape(meta.shape))
     return tensors

@@ -14,7 +14,7 @@ from rlcomm.comm.connection.selector import Selector
 from rlcomm.comm.transports.gloo import GlooTransport
 from rlcomm.comm.transports.shm import SHM_SUPPORTED, ShmTransport
 from rlcomm.comm.transports.shm_memory import SLEEPING
-from rlcomm.comm.transports.shm_wait import Spin, wait_for_data
+from rlcomm.comm.transports.shm_wait import SPIN_SECONDS, Spin, wait_for_data
 from rlcomm.errors import PeerLostError
 from tests.comm.pairs import (
     connection_pair,
@@ -155,6 +155,23 @@ def test_a_connection_it_cannot_poll_stays_with_its_receiver_thread(stores, sele
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.skipif(SPIN_SECONDS <= 0, reason="spinning is turned off here")
+def test_a_spin_cut_short_is_set_back_by_data_that_came_within_the_longest_spin():
+    """A peer that answers after a spin ran out, but within the longest spin of the
+    wait's start (a 64 KiB message's turn), is spun for again, not slept on each time;
+    one that answers later leaves the spin short."""
+    spin = Spin()
+    assert not spin.until(lambda: 0, None)  # ran out: halved
+    assert spin.seconds == SPIN_SECONDS / 2
+    spin.began = time.monotonic() + 1  # the data came at once (the clock read after)
+    spin.slept()
+    assert spin.seconds == SPIN_SECONDS
+    assert not spin.until(lambda: 0, None)
+    spin.began = time.monotonic() - 1  # it came a second after the wait began
+    spin.slept()
+    assert spin.seconds == SPIN_SECONDS / 2
 
 
 @pytest.mark.timeout(60)

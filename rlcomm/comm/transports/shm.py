@@ -29,6 +29,7 @@ keeps stores in order, which this relies on (see the README's known limits).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import select
@@ -268,9 +269,12 @@ class ShmTransport(Transport):
         return wait_for_data((self,), deadline, () if wake_fd is None else (wake_fd,), self._spin)
 
     def _read(self, dst: torch.Tensor | None, nbytes: int, deadline: float | None) -> bytes | None:
-        """Copy ``nbytes`` out of the incoming ring into ``dst`` (or return them)."""
+        """Copy ``nbytes`` out of the incoming ring into ``dst`` (a flat, contiguous uint8
+        tensor, as every receive passes; by address, as the ring writer copies in), or
+        return them."""
         words = self._in.words
         parts: list[bytes] = []
+        addr = 0 if dst is None else dst.data_ptr()
         done = 0
         while done < nbytes:
             avail = self.available()
@@ -288,10 +292,10 @@ class ShmTransport(Transport):
                 if first < n:
                     parts.append(mm[CTRL_BYTES : CTRL_BYTES + n - first])
             else:
-                ring = self._in.data
-                dst[done : done + first].copy_(ring[pos : pos + first])
+                base = self._in.addr
+                ctypes.memmove(addr + done, base + pos, first)
                 if first < n:
-                    dst[done + first : done + n].copy_(ring[: n - first])
+                    ctypes.memmove(addr + done + first, base, n - first)
             words[TAIL // 8] = tail + n
             done += n
             if words[WAITING // 8]:

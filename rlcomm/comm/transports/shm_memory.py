@@ -182,6 +182,8 @@ class Ring:
         self.words = memoryview(mm)[:32].cast("q")
         self.states = np.frombuffer(mm, dtype=np.uint8, count=MAX_SEGMENTS, offset=STATES)
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=CTRL_BYTES, count=RING_BYTES)
+        #: The address of the data bytes (payloads are copied in and out by address).
+        self.addr = self.data.data_ptr()
 
 
 class Segment:
