@@ -5,7 +5,8 @@ constructor takes a :class:`WorkerContext` first, sets the environment and the w
 identity, and only then runs the user's ``__init__``. Public methods are wrapped: before
 one returns, the channel puts it made without waiting are settled (so its caller sees
 the items queued), and a ``sys.exit`` inside one is logged with the worker's address
-before the process ends.
+before the process ends. The calls a worker makes of itself per message are bound on it
+without Ray's tracing wrappers (:data:`CALLED_INSIDE`).
 """
 
 from __future__ import annotations
