@@ -270,7 +270,8 @@ class Worker:
             CodecError: the object cannot be encoded.
             CommTimeoutError, PeerLostError, OptionsMismatchError: the send failed.
         """
-        _check_bucket_bytes(bucket_bytes)
+        if bucket_bytes is not None:
+            _check_bucket_bytes(bucket_bytes)
         dst = WorkerAddress.of(dst_group_name, dst_rank)
         return self._comm.send(object, dst, async_op, options, piggyback_payload,
                                bucket_bytes=bucket_bytes)
@@ -446,7 +447,8 @@ class Worker:
         """
         if groups is None:
             raise ValueError("broadcast: groups is required, e.g. [('trainer', 0), ('rollout', [0, 1])]")
-        _check_bucket_bytes(bucket_bytes)
+        if bucket_bytes is not None:
+            _check_bucket_bytes(bucket_bytes)
         return self._comm.broadcast(object, groups, src, async_op, options, into, shards,
                                     bucket_bytes)
 
