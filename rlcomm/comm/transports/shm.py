@@ -272,6 +272,11 @@ class ShmTransport(Transport):
         """Copy ``nbytes`` out of the incoming ring into ``dst`` (a flat, contiguous uint8
         tensor, as every receive passes; by address, as the ring writer copies in), or
         return them."""
+        if dst is not None and not dst.is_contiguous():  # (no receive passes one)
+            flat = torch.empty(nbytes, dtype=torch.uint8)
+            self._read(flat, nbytes, deadline)
+            dst.copy_(flat)
+            return None
         words = self._in.words
         parts: list[bytes] = []
         addr = 0 if dst is None else dst.data_ptr()

@@ -49,6 +49,18 @@ def test_sizes_across_ring_and_segments(pair):
     sender.join(timeout=30)
 
 
+def test_strided_payloads_are_copied_as_their_elements_not_their_memory(pair):
+    """The ring copies a payload by address; one that is not contiguous (no sender of
+    rlcomm's makes one) goes and lands element by element all the same."""
+    a, b = pair
+    base = _bytes(3 * 8192, 7)
+    sent = base[::3]  # every third byte: 8192 bytes, strided
+    into = torch.zeros(2 * 8192, dtype=torch.uint8)
+    a.send([sent], 30)
+    b.recv_into([into[::2]], 30)
+    assert torch.equal(into[::2], sent) and not into[1::2].any()
+
+
 def test_frames_and_many_small_messages_wrap_the_ring(pair):
     a, b = pair
     n = (shm_memory.RING_BYTES // 1000) * 3
