@@ -158,7 +158,7 @@ def group_methods(worker_cls: type) -> list[str]:
 
 
 #: The ``Worker`` calls a worker makes of itself per message. Ray wraps every method of
-#: an actor class for tracing, twice over (about 1.3 µs a call on the development
+#: an actor class for tracing, twice over (1.4-1.7 µs a call on the development
 #: machine, a tenth of a small message's one-way time, paid by the sender's ``send`` and
 #: the receiver's ``recv``); these are never called through Ray (a group does not offer
 #: them), so each worker binds them on itself without the wrappers
