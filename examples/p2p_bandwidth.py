@@ -20,6 +20,6 @@ ray.cloudpickle.register_pickle_by_value(bench_p2p)
 
 if __name__ == "__main__":
     bench_p2p.main(
-        ["--sizes", "4,1024,65536,1048576,16777216", "--repeats", "3", "--cold-repeats", "1",
-         "--target-bytes", str(64 << 20), *sys.argv[1:]]
+        ["--sizes", "4,1024,65536,1048576,16777216", "--repeats", "3", "--latency-repeats", "5",
+         "--cold-repeats", "1", "--target-bytes", str(64 << 20), *sys.argv[1:]]
     )

@@ -158,7 +158,8 @@ def test_p2p_bandwidth_example(ray_host):
     # The compiled-graph rows compile a graph per case: bench_p2p's own runs show them.
     # One fresh pair for the cold row: each pair is two more worker processes.
     out = run_example(ray_host, "examples/p2p_bandwidth.py", "--sizes", "4,65536",
-                      "--repeats", "1", "--cold-repeats", "1", "--no-graph")
+                      "--repeats", "1", "--latency-repeats", "2", "--cold-repeats", "1",
+                      "--no-graph")
     assert "Bandwidth, GB/s" in out and "raw gloo" in out and "send/recv" in out
     assert "First send/recv of a fresh pair" in out
 
