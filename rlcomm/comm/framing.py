@@ -243,6 +243,12 @@ def unpack_sized(frame: bytes) -> tuple[MessageHeader, list[int], bytes, bytes]:
     return header, sizes, frame[start:end], frame[end:]
 
 
+def kept(header: MessageHeader) -> bool:
+    """Whether ``header`` is one that :func:`unpack_sized` decodes its bytes to for good
+    (so that its ``id`` names it while the process lives)."""
+    return _KNOWN_IDS.get(id(header)) is header
+
+
 def unpack(frame: bytes) -> tuple[MessageHeader, bytes, bytes]:
     """The header, inline payload bytes and offer of a received frame (see
     :func:`unpack_sized`)."""
@@ -322,7 +328,7 @@ def split_inline(
         else:
             tensors.append(codec.empty_like_meta(meta, torch.device("cpu")))
         offset += n
-    if one and inline and _KNOWN_IDS.get(id(header)) is header:
+    if one and inline and kept(header):
         _SPARE_FOR[0] = header  # made once: the next one is made ahead
     return tensors
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlcomm.comm import codec, framing
-from rlcomm.comm.connection import Inbox, Incoming, Lease, Reader
+from rlcomm.comm.connection import Inbox, Incoming, Lease, Reader, incoming
 from rlcomm.comm.connection.incoming import read_message
 from rlcomm.comm.connection.receiver import start_receiver_thread
 from rlcomm.comm.connection.sender import Sender
@@ -156,24 +156,83 @@ def test_a_plain_receive_reads_its_own_message_in_one_turn_or_leaves_it_queued(e
     reader, failures = _reader(b)
     for i in range(20):
         _send(a, i)
-        ticket, msg = reader.receive_own(time.monotonic() + 10, lambda m: True)
-        assert codec.decode(msg.header, msg.tensors) == i and reader.lease is Lease.IDLE
+        ticket, parts = reader.receive_own(time.monotonic() + 10, lambda m: True)
+        assert codec.decode(*parts) == i and reader.lease is Lease.IDLE
     # One the op does not take as it is stays queued, for the general way with its ticket.
     _send(a, "general")
-    ticket, msg = reader.receive_own(time.monotonic() + 10, lambda m: False)
-    assert msg is None and reader.lease is Lease.IDLE
+    ticket, parts = reader.receive_own(time.monotonic() + 10, lambda m: False)
+    assert parts is None and reader.lease is Lease.IDLE
     assert codec.decode(*_parts(reader.receive(ticket, 10, lambda m: (True, m), "recv"))) \
         == "general"
-    assert reader.receive_own(time.monotonic() + 10, lambda m: True)[0] == ticket + 1
+    # (nothing comes: a deadline already past asks for the next ticket alone)
+    assert reader.receive_own(time.monotonic(), lambda m: True)[0] == ticket + 1
     assert not failures
+
+
+@pytest.mark.parametrize("obj", [b"four", torch.arange(3, dtype=torch.float32),
+                                 {"w": torch.ones(2)}, ("a", 1)], ids=type)
+def test_a_small_message_is_taken_from_its_frame_once_its_header_was_checked(
+        ends, monkeypatch, obj):
+    a, b = ends
+    reader, failures = _reader(b)
+    checked = []
+    classify = incoming.classify
+    monkeypatch.setattr(incoming, "classify", lambda *args, **kw: checked.append(1) or
+                        classify(*args, **kw))
+    for _ in range(20):
+        _send(a, obj)
+        ticket, parts = reader.receive_own(time.monotonic() + 10, lambda m: True, small=True)
+        got = codec.decode(*parts)
+        assert type(got) is type(obj) and reader.lease is Lease.IDLE
+        if isinstance(obj, dict):
+            assert torch.equal(got["w"], obj["w"])
+        else:
+            assert torch.equal(got, obj) if isinstance(obj, torch.Tensor) else got == obj
+    # Over shared memory, only the first message of this header was checked; a transport
+    # that cannot hand a whole frame (TCP here) checks each one.
+    assert len(checked) == (1 if isinstance(b, ShmTransport) else 20)
+    # (nothing comes: a deadline already past asks for the next ticket alone)
+    assert reader.receive_own(time.monotonic(), lambda m: True)[0] == ticket + 1
+    assert not failures
+
+
+@pytest.mark.skipif(not SHM_SUPPORTED, reason="shared memory needs x86-64 Linux")
+def test_a_small_message_over_a_lowered_limit_or_cut_short_is_refused_as_before(monkeypatch):
+    a, b = transport_pair(two_stores(), "parts", ShmTransport)
+    try:
+        reader, failures = _reader(b)
+        for _ in range(2):  # its header is checked, and known
+            _send(a, b"x" * 64)
+            assert codec.decode(*reader.receive_own(time.monotonic() + 10, lambda m: True,
+                                                    small=True)[1]) == b"x" * 64
+        monkeypatch.setattr(incoming, "max_message_bytes", lambda: 63)
+        _send(a, b"x" * 64)
+        assert reader.receive_own(time.monotonic() + 10, lambda m: True, small=True)[1] is None
+        assert len(failures) == 1 and "limit of 63" in str(failures[0])
+    finally:
+        monkeypatch.undo()
+        a.close()
+        b.close()
+    a, b = transport_pair(two_stores(), "parts", ShmTransport)
+    try:
+        reader, failures = _reader(b)
+        frame, _ = framing.pack(*codec.encode(b"x" * 64))
+        for cut in (0, 1):  # the second frame lacks its last payload byte
+            a.send_frame(frame[:len(frame) - cut], (), 10)
+            parts = reader.receive_own(time.monotonic() + 10, lambda m: True, small=True)[1]
+            assert (parts is None) == bool(cut)
+        assert len(failures) == 1 and "declares 64 bytes" in str(failures[0])
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_plain_receive_that_timed_out_does_not_wait_again(ends):
     _, b = ends
     reader, _ = _reader(b)
     deadline = time.monotonic() + 0.2
-    ticket, msg = reader.receive_own(deadline, lambda m: True)
-    assert msg is None and reader.lease is Lease.IDLE
+    ticket, parts = reader.receive_own(deadline, lambda m: True)
+    assert parts is None and reader.lease is Lease.IDLE
     began = time.monotonic()
     with pytest.raises(CommTimeoutError, match="within 30"):
         reader.receive(ticket, 30, lambda m: (True, m), "recv", deadline)

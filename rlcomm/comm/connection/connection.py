@@ -270,10 +270,10 @@ class Connection:
         message at once (the commonest receive: one transition takes its ticket and the
         stream, and one serves it). Returns the ticket and the object, or ``NOT_PLAIN``
         with the ticket for :meth:`recv_object` (see :meth:`.Reader.receive_own`)."""
-        ticket, msg = self.reader.receive_own(deadline, _plain)
-        if msg is None:
+        ticket, parts = self.reader.receive_own(deadline, _plain, small=True)
+        if parts is None:
             return ticket, NOT_PLAIN
-        return ticket, codec.decode(msg.header, msg.tensors)
+        return ticket, codec.decode(*parts)
 
     def recv_object(
         self, ticket: int, timeout: float, device: torch.device | None, into: Any = None,

@@ -33,6 +33,14 @@ P_INLINE, P_READ, P_IN_STREAM, P_OFFERED, P_TAKEN = (
 _RAW = Kind.RAW
 
 
+# Kept headers (:func:`framing.kept`: one object each while the process lives, so that an
+# ``id`` names one) of messages that carry their whole CPU payload in the frame and that a
+# plain ``recv`` takes as they came, with their bytes and each tensor's: :func:`classify`
+# checked them once, and :func:`small_parts` takes their later messages without its
+# checks or an :class:`Incoming` (a received 4 B message's cost, ``bench_p2p.py``).
+_SMALL: dict[int, tuple[int, list[int]]] = {}
+
+
 class Incoming:
     """A received message, and where its payload is (:class:`Payload`).
 
@@ -127,6 +135,8 @@ def classify(
         msg.sizes = sizes
         if header.kind != _RAW:
             msg.tensors = framing.split_inline(header, inline, sizes)
+            if framing.kept(header):
+                _SMALL[id(header)] = total, sizes
         return msg
     msg = Incoming(header, inline, offer, P_INLINE, device)
     msg.sizes = sizes
@@ -139,17 +149,34 @@ def classify(
     return msg
 
 
-def read_message(transport: Transport, peer: str, rest: float | None = None) -> Incoming:
+def small_parts(frame: bytes) -> tuple[MessageHeader, list[torch.Tensor | bytes]] | None:
+    """The header and tensors (to :func:`codec.decode`) of a received ``frame`` whose
+    message a plain ``recv`` takes as it came, with its whole payload in the frame, of a
+    header :func:`classify` passed before (checked again: its length, and the limit,
+    which may have changed). ``None`` for any other: :func:`read_message` it."""
+    header, sizes, inline, offer = framing.unpack_sized(frame)
+    known = _SMALL.get(id(header))
+    if known is None or offer or len(inline) != known[0] or known[0] > max_message_bytes():
+        return None
+    return header, framing.split_inline(header, inline, known[1])
+
+
+def read_message(
+    transport: Transport, peer: str, rest: float | None = None, frame: bytes | None = None,
+) -> Incoming:
     """Read the next message from ``transport`` (see :func:`classify`; a CPU payload
-    that follows its frame is read into new tensors). Once the frame has begun, the rest
-    must come within ``rest`` seconds (default: the default op timeout).
+    that follows its frame is read into new tensors), or the one whose ``frame`` was
+    read already. Once the frame has begun, the rest must come within ``rest`` seconds
+    (default: the default op timeout).
 
     Raises:
         ProtocolMismatchError: from :func:`classify` (the connection must be closed).
         CommTimeoutError, PeerLostError: from the transport.
     """
     rest = default_timeout() if rest is None else max(rest, 0.001)
-    header, sizes, inline, offer = framing.unpack_sized(transport.recv_frame(None, rest))
+    if frame is None:
+        frame = transport.recv_frame(None, rest)
+    header, sizes, inline, offer = framing.unpack_sized(frame)
     msg = classify(header, inline, offer, peer, sizes=sizes)
     if msg.payload is P_READ:
         sizes = [n for n in msg.sizes if n]

@@ -10,7 +10,8 @@ reads (its receiver thread, :mod:`.receiver`, or a shared
 send never waits for this worker to call ``recv``; messages go to the inbox (while it is
 full, the driver stops reading). On a pollable transport a receive op that finds the
 inbox empty reads its own message (the fast path: no thread hop), waking the driver out
-of its poll through a pipe if needed.
+of its poll through a pipe if needed; a plain ``recv`` takes a small message of a header
+it checked before straight from its frame (:func:`.incoming.small_parts`).
 
 Once a frame has been read, the rest of its message must come within a deadline (the
 waiting op's, or :func:`default_timeout` for the driver): a sender stalled mid-message
@@ -35,8 +36,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import P_OFFERED, Incoming, read_message
+from rlcomm.comm.connection.incoming import P_OFFERED, Incoming, read_message, small_parts
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.payload import CudaTransportOf, Payloads
 from rlcomm.comm.connection.stream import (
@@ -56,6 +58,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["LINGER", "Lease", "Reader", "drain"]
 
 T = TypeVar("T")
+
+#: A received message as :func:`.codec.decode` takes it: its header and tensors.
+Parts = tuple[MessageHeader, list[Any]]
 
 
 def drain(fd: int) -> None:
@@ -209,12 +214,15 @@ class Reader:
 
     def read_next(
         self, transport: Transport, within: float | None = None, wake: bool = False,
-    ) -> Incoming | None:
+        small: bool = False,
+    ) -> Incoming | Parts | None:
         """As the stream's holder, outside the lock: wait for the next message on a
         pollable transport (up to ``within`` seconds, ``None``: until it comes; ``wake``:
         the wake pipe ends the wait too) and read it. Returns the message for the inbox,
         or ``None``: nothing came, a listener took it, or the read failed (which fails
-        the connection: a half-read message breaks the stream)."""
+        the connection: a half-read message breaks the stream). With ``small`` (a plain
+        receive op reads), a message that came whole in its frame and that such an op
+        takes as it came comes back as its :data:`Parts` (:func:`.small_parts`)."""
         try:
             deadline = None if within is None else time.monotonic() + within
             # The next small tensor is made before the wait, not after the message came.
@@ -224,8 +232,13 @@ class Reader:
                 if wake:
                     drain(self._wake_r)
                 return None
+            frame = transport.frame_in_place() if small else None
+            if frame is not None:
+                parts = small_parts(frame)
+                if parts is not None:
+                    return parts
             rest = None if deadline is None else deadline - time.monotonic()
-            msg = read_message(transport, self.peer, rest)
+            msg = read_message(transport, self.peer, rest, frame)
             if msg.payload is P_OFFERED:
                 # A staged payload is copied out now, as a CPU payload is read now, so
                 # that the sender's slot comes back without this worker's recv (the
@@ -368,13 +381,15 @@ class Reader:
             self._execute(self._state.release_ticket(ticket))
 
     def receive_own(
-        self, deadline: float, plain: Callable[[Incoming], bool],
-    ) -> tuple[int, Incoming | None]:
+        self, deadline: float, plain: Callable[[Incoming], bool], small: bool = False,
+    ) -> tuple[int, Parts | None]:
         """Take a receive op's ticket and, when the stream is its to read at once (its
-        turn, the inbox empty, the stream idle), read its message: returned when
-        ``plain(msg)`` says the op takes it as it is, and served then. Else ``None``
-        with the ticket, for :meth:`receive`: it must wait or ask, nothing came by
-        ``deadline``, the read failed, or the message (queued) needs what only the
+        turn, the inbox empty, the stream idle), read its message: its header and
+        tensors are returned when ``plain(msg)`` says the op takes it as it is, and the
+        op is served then (with ``small``, a message that came whole in its frame and
+        that ``plain`` would take is taken without asking: see :meth:`read_next`). Else
+        ``None`` with the ticket, for :meth:`receive`: it must wait or ask, nothing came
+        by ``deadline``, the read failed, or the message (queued) needs what only the
         general way does. One hold of the lock takes the ticket and the stream, one
         serves the op: a blocking receive in a loop takes no other."""
         state = self._state
@@ -391,16 +406,19 @@ class Reader:
             transport = state.transport
         msg = None
         try:
-            msg = self.read_next(transport, deadline - now)
+            msg = self.read_next(transport, deadline - now, small=small)
         except BaseException:  # interrupted: its turn ends
             with lock:
-                self._execute(state.leave(msg, time.monotonic(), by_caller=True))
+                self._execute(state.leave(None, time.monotonic(), by_caller=True))
                 self._execute(state.failed_op(ticket))
             raise
         with lock:
+            if type(msg) is tuple:  # taken whole from its frame: never an Incoming
+                self._execute(state.took_own(ticket, now))
+                return ticket, msg
             if msg is not None and plain(msg):
                 self._execute(state.served_own(msg, ticket, True, now))
-                return ticket, msg
+                return ticket, (msg.header, msg.tensors)
             self._execute(state.leave(msg, time.monotonic(), by_caller=True))
         return ticket, None
 

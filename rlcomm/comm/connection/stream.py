@@ -375,7 +375,16 @@ class StreamState:
         queued. The next ticket's turn begins."""
         if not consumed:
             self.inbox.put(msg)
-        self.lease = _STALLED if msg.payload is _IN_STREAM else _IDLE
+        action = self.took_own(ticket, now)
+        if msg.payload is _IN_STREAM:
+            self.lease = _STALLED
+        return action
+
+    def took_own(self, ticket: int, now: float) -> Action:
+        """``ticket``'s op, holding the stream (``CALLER``) on its turn with the inbox
+        empty, read a message at ``now`` and took it: :meth:`served_own` of one that
+        nothing follows in the stream. The next ticket's turn begins."""
+        self.lease = _IDLE
         self._last_read = now
         self.pumper = None
         if ticket >= self._serving:

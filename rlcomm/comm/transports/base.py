@@ -206,6 +206,12 @@ class Transport(ABC):
             data += more.numpy().tobytes()
         return data
 
+    def frame_in_place(self) -> bytes | None:
+        """The next frame, when it has come whole and is taken without waiting or a copy
+        into a buffer first (a transport may have such a way); else ``None``, having
+        taken nothing: :meth:`recv_frame` reads it."""
+        return None
+
     def recv_new(self, sizes: Sequence[int], timeout: float | None) -> list[torch.Tensor]:
         """Receive payloads of ``sizes`` bytes into new uint8 tensors.
 

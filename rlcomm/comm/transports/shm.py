@@ -314,9 +314,9 @@ class ShmTransport(Transport):
         deadline = None if timeout is None else time.monotonic() + timeout
         return self.available() > 0 or self._sleep_until_data(deadline, wake_fd)
 
-    def _frame_in_place(self) -> bytes | None:
+    def frame_in_place(self) -> bytes | None:
         """The next frame when it is all in the ring and does not wrap (the common case:
-        one slice instead of two reads), else None."""
+        one slice instead of two reads), else None (see :meth:`.Transport.frame_in_place`)."""
         words = self._in.words
         tail = int(words[TAIL // 8])
         avail = int(words[HEAD // 8]) - tail
@@ -355,7 +355,7 @@ class ShmTransport(Transport):
     def recv_frame(self, timeout: float | None, rest: float | None = None) -> bytes:
         if self._closed:
             raise self._lost("shm recv")
-        frame = self._frame_in_place()
+        frame = self.frame_in_place()
         if frame is not None:
             return frame
         deadline = None if timeout is None else time.monotonic() + timeout
