@@ -175,6 +175,9 @@ def test_a_small_message_is_taken_from_its_frame_once_its_header_was_checked(
         ends, monkeypatch, obj):
     a, b = ends
     reader, failures = _reader(b)
+    # No header known from an earlier test of this process, and room to keep new ones.
+    for module, name in ((incoming, "_SMALL"), (framing, "_KNOWN"), (framing, "_KNOWN_IDS")):
+        monkeypatch.setattr(module, name, {})
     checked = []
     classify = incoming.classify
     monkeypatch.setattr(incoming, "classify", lambda *args, **kw: checked.append(1) or
