@@ -33,6 +33,9 @@ P_INLINE, P_READ, P_IN_STREAM, P_OFFERED, P_TAKEN = (
 _RAW = Kind.RAW
 
 
+#: A received message as :func:`.codec.decode` takes it: its header and tensors.
+Parts = tuple[MessageHeader, list[torch.Tensor | bytes]]
+
 # Kept headers (:func:`framing.kept`: one object each while the process lives, so that an
 # ``id`` names one) of messages that carry their whole CPU payload in the frame and that a
 # plain ``recv`` takes as they came, with their bytes and each tensor's: :func:`classify`
@@ -149,7 +152,7 @@ def classify(
     return msg
 
 
-def small_parts(frame: bytes) -> tuple[MessageHeader, list[torch.Tensor | bytes]] | None:
+def small_parts(frame: bytes) -> Parts | None:
     """The header and tensors (to :func:`codec.decode`) of a received ``frame`` whose
     message a plain ``recv`` takes as it came, with its whole payload in the frame, of a
     header :func:`classify` passed before (checked again: its length, and the limit,

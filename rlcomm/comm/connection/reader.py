@@ -36,9 +36,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from rlcomm.comm.codec import MessageHeader
 from rlcomm.comm.connection.inbox import Inbox
-from rlcomm.comm.connection.incoming import P_OFFERED, Incoming, read_message, small_parts
+from rlcomm.comm.connection.incoming import (
+    P_OFFERED,
+    Incoming,
+    Parts,
+    read_message,
+    small_parts,
+)
 from rlcomm.comm.connection.listening import Listener
 from rlcomm.comm.connection.payload import CudaTransportOf, Payloads
 from rlcomm.comm.connection.stream import (
@@ -58,9 +63,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["LINGER", "Lease", "Reader", "drain"]
 
 T = TypeVar("T")
-
-#: A received message as :func:`.codec.decode` takes it: its header and tensors.
-Parts = tuple[MessageHeader, list[Any]]
 
 
 def drain(fd: int) -> None:
@@ -222,7 +224,7 @@ class Reader:
         or ``None``: nothing came, a listener took it, or the read failed (which fails
         the connection: a half-read message breaks the stream). With ``small`` (a plain
         receive op reads), a message that came whole in its frame and that such an op
-        takes as it came comes back as its :data:`Parts` (:func:`.small_parts`)."""
+        takes as it came comes back as its :data:`.incoming.Parts` (:func:`.small_parts`)."""
         try:
             deadline = None if within is None else time.monotonic() + within
             # The next small tensor is made before the wait, not after the message came.
