@@ -38,10 +38,10 @@ Parts = tuple[MessageHeader, list[torch.Tensor | bytes]]
 
 # Kept headers (:func:`framing.kept`: one object each while the process lives, so that an
 # ``id`` names one) of messages that carry their whole CPU payload in the frame and that a
-# plain ``recv`` takes as they came, with their bytes and each tensor's: :func:`classify`
-# checked them once, and :func:`small_parts` takes their later messages without its
-# checks or an :class:`Incoming` (a received 4 B message's cost, ``bench_p2p.py``).
-_SMALL: dict[int, tuple[int, list[int]]] = {}
+# plain ``recv`` takes as they came, with their payload's bytes: :func:`classify` checked
+# them once, and :func:`small_parts` takes their later messages without its checks or an
+# :class:`Incoming` (a received 4 B message's cost, ``bench_p2p.py``).
+_SMALL: dict[int, int] = {}
 
 
 class Incoming:
@@ -139,7 +139,7 @@ def classify(
         if header.kind != _RAW:
             msg.tensors = framing.split_inline(header, inline, sizes)
             if framing.kept(header):
-                _SMALL[id(header)] = total, sizes
+                _SMALL[id(header)] = total
         return msg
     msg = Incoming(header, inline, offer, P_INLINE, device)
     msg.sizes = sizes
@@ -158,10 +158,10 @@ def small_parts(frame: bytes) -> Parts | None:
     header :func:`classify` passed before (checked again: its length, and the limit,
     which may have changed). ``None`` for any other: :func:`read_message` it."""
     header, sizes, inline, offer = framing.unpack_sized(frame)
-    known = _SMALL.get(id(header))
-    if known is None or offer or len(inline) != known[0] or known[0] > max_message_bytes():
+    total = _SMALL.get(id(header))
+    if total is None or offer or len(inline) != total or total > max_message_bytes():
         return None
-    return header, framing.split_inline(header, inline, known[1])
+    return header, framing.split_inline(header, inline, sizes)
 
 
 def read_message(
