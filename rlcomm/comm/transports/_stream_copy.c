@@ -1,5 +1,5 @@
-/* Copies that write around the caches, and small frames joined in one call:
- * rlcomm.comm.transports._stream_copy.
+/* Copies that write around the caches, small frames joined in one call, and a small
+ * frame put into (or taken from) a shared-memory ring: rlcomm.comm.transports._stream_copy.
  *
  * copy(dst, src, n) copies n bytes between two non-overlapping buffers given by address,
  * with the GIL released. On x86-64 the destination is written with non-temporal stores
@@ -122,6 +122,134 @@ static PyObject *joined(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* A shared-memory ring (rlcomm/comm/transports/shm_memory.py): a control block of
+ * 64-bit words (head and tail byte counters, each written by one side; the reader's
+ * "sleeping" flag) followed by the data bytes. A record is a 16-byte head (kind as
+ * uint32, a segment id as uint32, nbytes as uint64) and, for a frame, its bytes. The
+ * layout is given once by ring_layout(); shm.py keeps a Python path for where this
+ * module is not built. x86-64 keeps stores in order (shm.py only runs there): the
+ * compiler barrier keeps the head's store after the data's. */
+static Py_ssize_t lay_head, lay_tail, lay_sleeping, lay_ctrl, lay_frame = -1;
+
+#define RECORD_BYTES 16
+#define BARRIER() __asm__ __volatile__("" ::: "memory")
+
+static PyObject *ring_layout(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "ring_layout(head, tail, sleeping, ctrl_bytes, frame_kind) takes 5 integers");
+        return NULL;
+    }
+    Py_ssize_t v[5];
+    for (int i = 0; i < 5; i++) {
+        v[i] = PyLong_AsSsize_t(args[i]);
+        if (v[i] == -1 && PyErr_Occurred())
+            return NULL;
+        if (v[i] < 0 || (i < 3 && (v[i] % 8 != 0 || v[i] + 8 > v[3]))) {
+            PyErr_SetString(PyExc_ValueError, "ring_layout: a word outside the control block");
+            return NULL;
+        }
+    }
+    lay_head = v[0];
+    lay_tail = v[1];
+    lay_sleeping = v[2];
+    lay_ctrl = v[3];
+    lay_frame = v[4];
+    Py_RETURN_NONE;
+}
+
+/* The ring at address base (control block, then ring_bytes of data), checked. */
+static char *ring_of(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                     Py_ssize_t *ring_bytes, const char *usage)
+{
+    if (nargs != want || lay_frame < 0) {
+        PyErr_SetString(PyExc_TypeError, lay_frame < 0 ? "ring_layout() was not called" : usage);
+        return NULL;
+    }
+    char *base = (char *)PyLong_AsVoidPtr(args[0]);
+    *ring_bytes = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (base == NULL || *ring_bytes < RECORD_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "ring: a null ring or one too small for a record");
+        return NULL;
+    }
+    return base;
+}
+
+#define WORD(base, off) (*(volatile int64_t *)((base) + (off)))
+
+/* ring_put(base, ring_bytes, frame): write a frame record and publish it, when the ring
+ * has room for it before its end; returns the reader's sleeping flag (nonzero: it needs
+ * a wake-up token), or -1 having written nothing (the caller goes the general way). One
+ * call instead of a dozen Python operations on the ring's words and bytes, on every
+ * small message's path. */
+static PyObject *ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_ssize_t ring;
+    char *base = ring_of(args, nargs, 3, &ring, "ring_put(base, ring_bytes, frame)");
+    if (base == NULL)
+        return NULL;
+    if (!PyBytes_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "ring_put: the frame must be bytes");
+        return NULL;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(args[2]);
+    int64_t head = WORD(base, lay_head);
+    int64_t tail = WORD(base, lay_tail);
+    if (head < tail || head - tail > ring)
+        return PyLong_FromLong(-1); /* not a ring this side wrote: the general way says so */
+    int64_t end = head % ring + RECORD_BYTES + n;
+    if (n > ring || end > ring || head + RECORD_BYTES + n - tail > ring)
+        return PyLong_FromLong(-1);
+    char *at = base + lay_ctrl + end - n - RECORD_BYTES;
+    uint32_t kind = (uint32_t)lay_frame, seg = 0;
+    uint64_t size = (uint64_t)n;
+    memcpy(at, &kind, 4);
+    memcpy(at + 4, &seg, 4);
+    memcpy(at + 8, &size, 8);
+    memcpy(at + RECORD_BYTES, PyBytes_AS_STRING(args[2]), (size_t)n);
+    BARRIER();
+    WORD(base, lay_head) = head + RECORD_BYTES + n; /* published: the reader may take it */
+    BARRIER();
+    return PyLong_FromLong(WORD(base, lay_sleeping) != 0);
+}
+
+/* ring_take(base, ring_bytes): the next record's frame as bytes, taken (the tail moved
+ * past it), when the ring holds the whole record before its end and it is a frame; else
+ * None, having taken nothing (the caller reads it the general way). */
+static PyObject *ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_ssize_t ring;
+    char *base = ring_of(args, nargs, 2, &ring, "ring_take(base, ring_bytes)");
+    if (base == NULL)
+        return NULL;
+    int64_t tail = WORD(base, lay_tail);
+    int64_t avail = WORD(base, lay_head) - tail;
+    BARRIER();
+    int64_t pos = tail % ring;
+    if (avail < RECORD_BYTES || avail > ring || pos + RECORD_BYTES > ring)
+        Py_RETURN_NONE;
+    const char *at = base + lay_ctrl + pos;
+    uint32_t kind;
+    uint64_t n;
+    memcpy(&kind, at, 4);
+    memcpy(&n, at + 8, 8);
+    if (kind != (uint32_t)lay_frame || n > (uint64_t)(avail - RECORD_BYTES)
+        || (uint64_t)(pos + RECORD_BYTES) + n > (uint64_t)ring)
+        Py_RETURN_NONE;
+    PyObject *frame = PyBytes_FromStringAndSize(at + RECORD_BYTES, (Py_ssize_t)n);
+    if (frame == NULL)
+        return NULL;
+    BARRIER();
+    WORD(base, lay_tail) = tail + RECORD_BYTES + (int64_t)n;
+    return frame;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
      "copy(dst, src, n): copy n bytes from address src to address dst (non-temporal "
@@ -130,6 +258,15 @@ static PyMethodDef methods[] = {
      "joined(head, src, n, ...): head (bytes) followed by the n bytes at address src "
      "(and at each further address its count of bytes), as "
      "one new bytes object."},
+    {"ring_layout", (PyCFunction)(void (*)(void))ring_layout, METH_FASTCALL,
+     "ring_layout(head, tail, sleeping, ctrl_bytes, frame_kind): where a shared-memory "
+     "ring keeps its words and data, and a frame record's kind."},
+    {"ring_put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL,
+     "ring_put(base, ring_bytes, frame): write and publish a frame record when it fits "
+     "before the ring's end; the reader's sleeping flag, or -1 having written nothing."},
+    {"ring_take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
+     "ring_take(base, ring_bytes): the next frame record's bytes, taken, when it is whole "
+     "before the ring's end; else None."},
     {NULL, NULL, 0, NULL},
 };
 

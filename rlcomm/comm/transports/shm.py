@@ -76,6 +76,15 @@ from rlcomm.comm.transports.shm_wait import ShmWaiter, Spin, wait_for_data
 from rlcomm.errors import CommTimeoutError, PeerLostError
 from rlcomm.settings import get_settings
 
+try:  # a small frame put into (taken from) a ring in one C call (optional: setup.py)
+    from rlcomm.comm.transports._stream_copy import ring_layout as _ring_layout
+    from rlcomm.comm.transports._stream_copy import ring_put as _ring_put
+    from rlcomm.comm.transports._stream_copy import ring_take as _ring_take
+except ImportError:
+    _ring_put = _ring_take = None
+else:
+    _ring_layout(HEAD, TAIL, SLEEPING, CTRL_BYTES, FRAME)
+
 #: The ring's lock-free counters rely on x86-64 keeping stores in order.
 SHM_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "memfd_create")
 _MAX_IN_FLIGHT = get_settings().shm_max_in_flight
@@ -197,6 +206,13 @@ class ShmTransport(Transport):
         if self._closed or self.broken:
             self._check_usable()
         out = self._out
+        if _ring_put is not None:  # the same steps as below, in one call (0.2 µs, not 0.9)
+            sleeping = _ring_put(out.base, RING_BYTES, frame)
+            if sleeping > 0:
+                self._signals.notify(self._out_sock)
+            elif sleeping < 0:
+                self.send_frame(frame, (), timeout)
+            return
         words = out.words
         head = words[HEAD // 8]
         n = len(frame)
@@ -317,6 +333,13 @@ class ShmTransport(Transport):
     def frame_in_place(self) -> bytes | None:
         """The next frame when it is all in the ring and does not wrap (the common case:
         one slice instead of two reads), else None (see :meth:`.Transport.frame_in_place`)."""
+        if _ring_take is not None:  # the same steps as below, in one call
+            frame = _ring_take(self._in.base, RING_BYTES)
+            words = self._in.words
+            if frame is not None and words[WAITING // 8]:
+                words[WAITING // 8] = 0
+                self._notify(self._in_sock)
+            return frame
         words = self._in.words
         tail = int(words[TAIL // 8])
         avail = int(words[HEAD // 8]) - tail

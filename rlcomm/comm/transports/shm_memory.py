@@ -184,6 +184,8 @@ class Ring:
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=CTRL_BYTES, count=RING_BYTES)
         #: The address of the data bytes (payloads are copied in and out by address).
         self.addr = self.data.data_ptr()
+        #: The address of the control block (the mapping's first byte).
+        self.base = self.addr - CTRL_BYTES
 
 
 class Segment:

@@ -78,7 +78,25 @@ def test_frames_and_many_small_messages_wrap_the_ring(pair):
     t.join(timeout=30)
 
 
-def test_small_frames_written_in_place_wrap_the_ring_and_wait_when_it_is_full(pair):
+#: The ways a small frame is put into the ring and taken from it: the C helper's one call
+#: each (where the optional module is built), or the same steps in Python.
+WAYS = [
+    pytest.param("c", id="c", marks=pytest.mark.skipif(
+        shm._ring_put is None, reason="the optional C module is not built")),
+    pytest.param("python", id="python"),
+]
+
+
+def _way(monkeypatch, way: str) -> None:
+    if way == "python":
+        monkeypatch.setattr(shm, "_ring_put", None)
+        monkeypatch.setattr(shm, "_ring_take", None)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_small_frames_written_in_place_wrap_the_ring_and_wait_when_it_is_full(
+        pair, way, monkeypatch):
+    _way(monkeypatch, way)
     a, b = pair
     # Frames of odd lengths, so that one ends up straddling the ring's end (written the
     # general way) and the ring fills before the reader starts.
@@ -185,22 +203,28 @@ def test_poll_waits_for_a_frame_and_ends_on_the_wake_fd(pair):
         os.close(wake_w)
 
 
-def _ping_pong_end(rank: int, port: int, count: int, out: mp.Queue) -> None:
-    """One end of a two-process exchange with irregular pauses (see the test)."""
+def _ping_pong_end(rank: int, port: int, count: int, way: str, out: mp.Queue) -> None:
+    """One end of a two-process exchange with irregular pauses (see the test), its frames
+    sent the general way (``way="frame"``) or as small messages (``c``, ``python``:
+    :data:`WAYS`)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     end = ShmTransport(dist.PrefixStore("pp", store), rank, 30, f"end{1 - rank}")
+    if way == "python":
+        shm._ring_put = shm._ring_take = None
+    send = ((lambda f: end.send_frame(f, [], 10)) if way == "frame" else
+            (lambda f: end.send_small(f, 10)))
     rng = random.Random(rank)
     try:
         for i in range(count):
             if rank == 0:
-                end.send_frame(i.to_bytes(4, "little"), [], 10)
+                send(i.to_bytes(4, "little"))
                 got = end.recv_frame(10)
             else:
                 got = end.recv_frame(10)
                 # Pauses around the spin length: the receiver alternates between
                 # catching the frame while spinning and sleeping on its flag.
                 time.sleep(rng.choice((0, 0, 0.00005, 0.0003, 0.002)))
-                end.send_frame(got, [], 10)
+                send(got)
             if int.from_bytes(got, "little") != i:
                 raise AssertionError(f"frame {i} came back as {got!r}")
         out.put((rank, "ok"))
@@ -211,7 +235,8 @@ def _ping_pong_end(rank: int, port: int, count: int, out: mp.Queue) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_two_processes_never_miss_a_wake_up():
+@pytest.mark.parametrize("way", [pytest.param("frame", id="frame"), *WAYS])
+def test_two_processes_never_miss_a_wake_up(way):
     """The sender sends a wake-up token only while the receiver's sleeping flag is set;
     two real processes exchanging with irregular pauses must never stall (a missed
     token would show as a 10 s timeout)."""
@@ -219,7 +244,7 @@ def test_two_processes_never_miss_a_wake_up():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     count = 1500
-    procs = [ctx.Process(target=_ping_pong_end, args=(r, server.port, count, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_ping_pong_end, args=(r, server.port, count, way, out)) for r in (0, 1)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=100) for _ in procs)

@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 
-from rlcomm.comm.transports import bulk_copy
+from rlcomm.comm.transports import bulk_copy, shm  # noqa: F401 - shm gives the rings' layout
+from rlcomm.comm.transports.shm_memory import CTRL_BYTES, HEAD, SLEEPING, TAIL
+from rlcomm.comm.transports.shm_ring import FRAME, INLINE, RECORD
 from tests.waiting import wait_for
 
 _stream_copy = pytest.importorskip("rlcomm.comm.transports._stream_copy")
@@ -104,3 +106,97 @@ def test_joined_takes_several_addresses_in_turn():
 def test_joined_refuses_bad_arguments(args):
     with pytest.raises((TypeError, ValueError, OverflowError)):
         _stream_copy.joined(*args)
+
+
+# -- a small frame put into and taken from a ring (ring_put / ring_take, laid out as shm.py
+# lays its rings out: shm.py gives the layout on import) ----------------------------------------
+
+RING = 256
+
+
+@pytest.fixture
+def ring():
+    mem = torch.zeros(CTRL_BYTES + RING, dtype=torch.uint8)
+    words = mem[:CTRL_BYTES].view(torch.int64)
+    return mem, words, mem.data_ptr(), CTRL_BYTES
+
+
+def _record(mem, ctrl, pos):
+    return RECORD.unpack(bytes(mem[ctrl + pos : ctrl + pos + RECORD.size].tolist()))
+
+
+def test_a_frame_put_into_a_ring_is_a_frame_record_and_is_taken_whole(ring):
+    mem, words, base, ctrl = ring
+    assert _stream_copy.ring_take(base, RING) is None  # empty
+    assert _stream_copy.ring_put(base, RING, b"hello") == 0
+    assert _stream_copy.ring_put(base, RING, b"x" * 40) == 0
+    assert int(words[HEAD // 8]) == 2 * 16 + 45 and int(words[TAIL // 8]) == 0
+    assert _record(mem, ctrl, 0) == (FRAME, 0, 5)
+    assert bytes(mem[ctrl + 16 : ctrl + 21].tolist()) == b"hello"
+    assert _stream_copy.ring_take(base, RING) == b"hello"
+    assert int(words[TAIL // 8]) == 21
+    assert _stream_copy.ring_take(base, RING) == b"x" * 40
+    assert _stream_copy.ring_take(base, RING) is None
+    assert int(words[TAIL // 8]) == int(words[HEAD // 8])
+
+
+def test_a_put_says_whether_the_reader_sleeps(ring):
+    _, words, base, _ = ring
+    words[SLEEPING // 8] = 1
+    assert _stream_copy.ring_put(base, RING, b"wake") == 1
+    words[SLEEPING // 8] = 0
+    assert _stream_copy.ring_put(base, RING, b"on") == 0
+
+
+def test_a_put_that_would_cross_the_end_or_overfill_writes_nothing(ring):
+    mem, words, base, _ = ring
+    # Near the end: the record would wrap, which only the general way writes.
+    words[HEAD // 8] = words[TAIL // 8] = RING - 20
+    before = mem.clone()
+    assert _stream_copy.ring_put(base, RING, b"12345") == -1
+    assert torch.equal(mem, before)
+    assert _stream_copy.ring_put(base, RING, b"1234") == 0  # exactly to the end fits
+    # Full: unread bytes leave no room, wherever the head is.
+    words[HEAD // 8] = 2 * RING
+    words[TAIL // 8] = RING + 10
+    before = mem.clone()
+    assert _stream_copy.ring_put(base, RING, b"a") == -1
+    assert _stream_copy.ring_put(base, RING, b"a" * (RING + 1)) == -1
+    assert torch.equal(mem, before)
+
+
+def test_a_take_leaves_what_is_not_a_whole_frame_before_the_end(ring):
+    mem, words, base, ctrl = ring
+
+    def write(pos, kind, n, head):
+        fits = min(RECORD.size, RING - pos)  # a record head at the end is cut there
+        mem[ctrl + pos : ctrl + pos + fits] = torch.frombuffer(
+            bytearray(RECORD.pack(kind, 0, n)[:fits]), dtype=torch.uint8)
+        words[TAIL // 8] = pos
+        words[HEAD // 8] = head
+
+    write(0, INLINE, 8, 24)  # a payload record: the general way reads it
+    assert _stream_copy.ring_take(base, RING) is None
+    write(0, FRAME, 8, 20)  # half published
+    assert _stream_copy.ring_take(base, RING) is None
+    write(RING - 20, FRAME, 8, RING + 4)  # its bytes wrap
+    assert _stream_copy.ring_take(base, RING) is None
+    write(RING - 8, FRAME, 0, RING + 8)  # its record head wraps
+    assert _stream_copy.ring_take(base, RING) is None
+    assert int(words[TAIL // 8]) == RING - 8  # nothing was taken
+
+
+@pytest.mark.parametrize("call", [
+    lambda: _stream_copy.ring_put(0, RING, b"x"),
+    lambda: _stream_copy.ring_put(1 << 20, 8, b"x"),
+    lambda: _stream_copy.ring_put(1 << 20, RING, bytearray(b"x")),
+    lambda: _stream_copy.ring_put(1 << 20, RING),
+    lambda: _stream_copy.ring_take(0, RING),
+    lambda: _stream_copy.ring_take("x", RING),
+    lambda: _stream_copy.ring_layout(0, 8, 24, 4096),
+    lambda: _stream_copy.ring_layout(0, 8, 4092, 4096, 3),
+    lambda: _stream_copy.ring_layout(0, 9, 24, 4096, 3),
+])
+def test_the_ring_calls_refuse_bad_arguments(call):
+    with pytest.raises((TypeError, ValueError)):
+        call()
