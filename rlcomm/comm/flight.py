@@ -30,11 +30,16 @@ _KEY, _OP, _PEER, _SIZE, _BEGAN, _ENDED, _ERROR = range(7)
 
 
 def size_of(size: Any) -> int:
-    """The bytes an entry's size stands for: an int, or a message's header (counted
-    when the op is shown: a send records its header rather than pay for the sum per
-    message); -1 when not known (a receive)."""
+    """The bytes an entry's size stands for: an int, a message's header, or a small
+    message's frame (:func:`.framing.small_frame`; each counted when the op is shown: a
+    send records what it has rather than pay for the sum per message); -1 when not
+    known (a receive)."""
     if type(size) is int:
         return size
+    if type(size) is bytes:
+        from rlcomm.comm.framing import payload_bytes  # (framing imports torch)
+
+        return payload_bytes(size)
     metas = getattr(size, "tensors", None)
     if metas is None:
         return -1

@@ -36,7 +36,7 @@ from rlcomm.comm.connection import Connection
 from rlcomm.comm.connection.connection import NOT_PLAIN
 from rlcomm.comm.connection.sender import DeviceOrder
 from rlcomm.comm.flight import RECORDER
-from rlcomm.comm.framing import payload_bytes, small_frame
+from rlcomm.comm.framing import small_frame
 from rlcomm.comm.handshake import Handshake
 from rlcomm.comm.identity.address import RankLike, WorkerAddress
 from rlcomm.comm.identity.endpoint import decode_endpoint, encode_endpoint
@@ -197,7 +197,7 @@ class CommManager:
     ) -> AsyncWork | None:
         if not (raw or async_op or bucket_bytes) and piggyback is None:
             frame = small_frame(obj)
-            if frame is not None and self._send_small(frame, payload_bytes(frame), dst, options):
+            if frame is not None and self._send_small(frame, dst, options):
                 return None
         header, tensors = codec.encode_raw(obj) if raw else codec.encode(obj, piggyback)
         if not raw and tensors and not tensors[0].is_cuda:
@@ -236,19 +236,18 @@ class CommManager:
         return None
 
     def _send_small(
-        self, frame: bytes, size: int, dst: WorkerAddress,
-        options: CollectiveGroupOptions | None,
+        self, frame: bytes, dst: WorkerAddress, options: CollectiveGroupOptions | None,
     ) -> bool:
-        """:meth:`send` of a message that is one frame (:func:`framing.small_frame`) of a
-        ``size``-byte payload, on a connection past first contact. False, having sent
-        nothing, where it is not, or where sends are queued ahead: the general path sends
-        it then (and the flight recorder shows it twice, where a send was queued between
-        the look at the queue here and the sender's own)."""
+        """:meth:`send` of a message that is one frame (:func:`framing.small_frame`), on
+        a connection past first contact. False, having sent nothing, where it is not, or
+        where sends are queued ahead: the general path sends it then (and the flight
+        recorder shows it twice, where a send was queued between the look at the queue
+        here and the sender's own)."""
         conn = self.connection(dst, options)
         if not conn.checked_first_contact or conn.sender.queued:
             return False
         timeout = op_timeout(options)
-        key = _begin("send", dst, size)
+        key = _begin("send", dst, frame)  # its payload is counted when shown (size_of)
         try:
             sent = conn.send_small(frame, timeout)
         except BaseException as exc:

@@ -47,6 +47,15 @@ def test_a_send_records_its_header_and_shows_its_bytes():
     assert size_of(7) == 7 and size_of(object()) == -1
 
 
+def test_a_small_send_records_its_frame_and_shows_its_payload_bytes():
+    from rlcomm.comm.framing import small_frame
+
+    rec = FlightRecorder(8)
+    rec.end(rec.begin("send", "p", small_frame(torch.ones(3))))
+    rec.end(rec.begin("send", "p", small_frame(b"abcde")))
+    assert [op.nbytes for op in rec.recent()] == [12, 5]
+
+
 def test_an_async_op_ends_with_its_future():
     rec = FlightRecorder(8)
     fut: concurrent.futures.Future = concurrent.futures.Future()

@@ -132,7 +132,6 @@ class Sender:
         """Send a whole message that is one frame (:func:`framing.small_frame`) from the
         calling thread. Returns False, having sent nothing, when sends are queued ahead
         of it: the caller then sends it the general way, which keeps call order."""
-        self._check_sendable()
         if self._queued:
             return False
         lock = self._lock
@@ -144,6 +143,7 @@ class Sender:
                 return False
             transport = self.transport
             if transport is None or self._reader.error is not None:
+                self._check_sendable()
                 transport = self._ready(timeout)
             self._send_frame(transport, frame, (), timeout, small=True)
         finally:
