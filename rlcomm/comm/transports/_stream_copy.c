@@ -200,8 +200,10 @@ static PyObject *ring_put(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t n = PyBytes_GET_SIZE(args[2]);
     int64_t head = WORD(base, lay_head);
     int64_t tail = WORD(base, lay_tail);
-    if (head < tail || head - tail > ring)
-        return PyLong_FromLong(-1); /* not a ring this side wrote: the general way says so */
+    /* Counters that no writer of this ring would leave (the peer maps it too): never an
+     * address from them; the general way says what is wrong. */
+    if (tail < 0 || head < tail || head - tail > ring)
+        return PyLong_FromLong(-1);
     int64_t end = head % ring + RECORD_BYTES + n;
     if (n > ring || end > ring || head + RECORD_BYTES + n - tail > ring)
         return PyLong_FromLong(-1);
@@ -232,8 +234,8 @@ static PyObject *ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int64_t avail = WORD(base, lay_head) - tail;
     BARRIER();
     int64_t pos = tail % ring;
-    if (avail < RECORD_BYTES || avail > ring || pos + RECORD_BYTES > ring)
-        Py_RETURN_NONE;
+    if (tail < 0 || avail < RECORD_BYTES || avail > ring || pos + RECORD_BYTES > ring)
+        Py_RETURN_NONE; /* (counters no writer would leave: the general way reads them) */
     const char *at = base + lay_ctrl + pos;
     uint32_t kind;
     uint64_t n;

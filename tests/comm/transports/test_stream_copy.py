@@ -186,6 +186,18 @@ def test_a_take_leaves_what_is_not_a_whole_frame_before_the_end(ring):
     assert int(words[TAIL // 8]) == RING - 8  # nothing was taken
 
 
+def test_counters_no_writer_would_leave_are_never_used_as_addresses(ring):
+    # The peer maps the ring too: whatever it writes there, neither call touches memory
+    # outside the ring (the general path then says what is wrong).
+    mem, words, base, _ = ring
+    for head, tail in ((-RING, -RING), (-16, -40), (RING + 50, -10), (0, 100), (3 * RING, 0)):
+        words[HEAD // 8], words[TAIL // 8] = head, tail
+        before = mem.clone()
+        assert _stream_copy.ring_put(base, RING, b"x") == -1
+        assert _stream_copy.ring_take(base, RING) is None
+        assert torch.equal(mem, before)
+
+
 @pytest.mark.parametrize("call", [
     lambda: _stream_copy.ring_put(0, RING, b"x"),
     lambda: _stream_copy.ring_put(1 << 20, 8, b"x"),
