@@ -206,25 +206,25 @@ class ShmTransport(Transport):
         if self._closed or self.broken:
             self._check_usable()
         out = self._out
-        if _ring_put is not None:  # the same steps as below, in one call (0.2 µs, not 0.9)
-            sleeping = _ring_put(out.base, RING_BYTES, frame)
-            if sleeping > 0:
-                self._signals.notify(self._out_sock)
-            elif sleeping < 0:
-                self.send_frame(frame, (), timeout)
-            return
-        words = out.words
-        head = words[HEAD // 8]
-        n = len(frame)
-        end = head % RING_BYTES + RECORD.size + n
-        if end > RING_BYTES or head + RECORD.size + n - words[TAIL // 8] > RING_BYTES:
+        if _ring_put is not None:  # the steps below in one call (0.2 µs, not 0.9)
+            put = _ring_put(out.base, RING_BYTES, frame)
+        else:  # put: -1 where it does not fit before the end, else the sleeping flag
+            words = out.words
+            head = words[HEAD // 8]
+            n = len(frame)
+            end = head % RING_BYTES + RECORD.size + n
+            if end > RING_BYTES or head + RECORD.size + n - words[TAIL // 8] > RING_BYTES:
+                put = -1
+            else:
+                start = CTRL_BYTES + end - n
+                RECORD.pack_into(out.mm, start - RECORD.size, FRAME, 0, n)
+                out.mm[start : CTRL_BYTES + end] = frame
+                words[HEAD // 8] = head + RECORD.size + n  # published: the reader may take it
+                put = int(words[SLEEPING // 8] != 0)
+        if put < 0:
             self.send_frame(frame, (), timeout)
-            return
-        start = CTRL_BYTES + end - n
-        RECORD.pack_into(out.mm, start - RECORD.size, FRAME, 0, n)
-        out.mm[start : CTRL_BYTES + end] = frame
-        words[HEAD // 8] = head + RECORD.size + n  # published: the reader may take it now
-        self._writer.wake_reader()
+        elif put:  # the reader sleeps: a wake-up token (RingWriter.wake_reader's)
+            self._signals.notify(self._out_sock)
 
     def send_bucket(self, pieces: Sequence[torch.Tensor], timeout: float) -> None:
         self._check_usable()
@@ -333,26 +333,24 @@ class ShmTransport(Transport):
     def frame_in_place(self) -> bytes | None:
         """The next frame when it is all in the ring and does not wrap (the common case:
         one slice instead of two reads), else None (see :meth:`.Transport.frame_in_place`)."""
-        if _ring_take is not None:  # the same steps as below, in one call
-            frame = _ring_take(self._in.base, RING_BYTES)
-            words = self._in.words
-            if frame is not None and words[WAITING // 8]:
-                words[WAITING // 8] = 0
-                self._notify(self._in_sock)
-            return frame
         words = self._in.words
-        tail = int(words[TAIL // 8])
-        avail = int(words[HEAD // 8]) - tail
-        pos = tail % RING_BYTES
-        end = pos + RECORD.size
-        if avail < RECORD.size or end > RING_BYTES:
-            return None
-        mm = self._in.mm
-        kind, _, n = RECORD.unpack_from(mm, CTRL_BYTES + pos)
-        if kind != FRAME or avail < RECORD.size + n or end + n > RING_BYTES:
-            return None
-        frame = mm[CTRL_BYTES + end : CTRL_BYTES + end + n]
-        words[TAIL // 8] = tail + RECORD.size + n
+        if _ring_take is not None:  # the steps below in one call
+            frame = _ring_take(self._in.base, RING_BYTES)
+            if frame is None:
+                return None
+        else:
+            tail = int(words[TAIL // 8])
+            avail = int(words[HEAD // 8]) - tail
+            pos = tail % RING_BYTES
+            end = pos + RECORD.size
+            if avail < RECORD.size or end > RING_BYTES:
+                return None
+            mm = self._in.mm
+            kind, _, n = RECORD.unpack_from(mm, CTRL_BYTES + pos)
+            if kind != FRAME or avail < RECORD.size + n or end + n > RING_BYTES:
+                return None
+            frame = mm[CTRL_BYTES + end : CTRL_BYTES + end + n]
+            words[TAIL // 8] = tail + RECORD.size + n
         if words[WAITING // 8]:
             words[WAITING // 8] = 0
             self._notify(self._in_sock)
