@@ -147,6 +147,9 @@ static PyObject *ring_layout(PyObject *self, PyObject *const *args, Py_ssize_t n
         v[i] = PyLong_AsSsize_t(args[i]);
         if (v[i] == -1 && PyErr_Occurred())
             return NULL;
+    }
+    /* Checked once all are read: each word against the control block's size (v[3]). */
+    for (int i = 0; i < 5; i++) {
         if (v[i] < 0 || (i < 3 && (v[i] % 8 != 0 || v[i] + 8 > v[3]))) {
             PyErr_SetString(PyExc_ValueError, "ring_layout: a word outside the control block");
             return NULL;

@@ -208,6 +208,8 @@ def test_counters_no_writer_would_leave_are_never_used_as_addresses(ring):
     lambda: _stream_copy.ring_layout(0, 8, 24, 4096),
     lambda: _stream_copy.ring_layout(0, 8, 4092, 4096, 3),
     lambda: _stream_copy.ring_layout(0, 9, 24, 4096, 3),
+    lambda: _stream_copy.ring_layout(0, 8, 4096, 4096, 3),  # a word just past the block
+    lambda: _stream_copy.ring_layout(8, 16, 24, 16, 3),  # a block too small for its words
 ])
 def test_the_ring_calls_refuse_bad_arguments(call):
     with pytest.raises((TypeError, ValueError)):
