@@ -38,7 +38,7 @@ WAIT = 90.0  # seconds any one step may take
 START_WAIT = 120.0  # for nodes and worker processes (slow on a busy machine)
 CHUNK = 256 << 10  # the chain's record size in this test
 TIMEOUT = 60.0  # the broadcasts' timeout, but the frozen relay's
-FROZEN_TIMEOUT = 8.0  # the timeout of the broadcast whose relay is stopped past it
+FROZEN_TIMEOUT = 4.0  # the timeout of the broadcast whose relay is stopped past it
 ODD = [(3 << 20) + 7, 1_000_003, 1]  # bytes of uint8, elements of float32, a scalar
 BIG = [(24 << 20) + 5, 3, 1]  # ~2 s per link at 100 Mbit/s: time to find a relay midway
 

@@ -183,7 +183,7 @@ def test_a_pipeline_survives_kills_freezes_and_idle_connections(cluster, tmp_pat
             states = {w["address"]: w["state"] for w in rlcomm.job_status().workers}
             assert states["soak_c:1"] == "not answering", states
             assert states["soak_c:0"] == "ok" and states["channel.soak_b:0"] == "ok", states
-            time.sleep(3)  # the fault: how long the consumer stays stopped
+            time.sleep(1.5)  # the fault: how long the consumer stays stopped
         finally:
             os.kill(stopped, signal.SIGCONT)
 

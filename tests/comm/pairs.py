@@ -4,6 +4,7 @@ rendezvous until the other comes)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -12,16 +13,30 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.connection import Connection
+from rlcomm.comm.store.client import StoreClient
+from rlcomm.comm.store.server import StoreServer
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.registry import PairFacts
 from rlcomm.comm.transports.shm import ShmTransport
 
+_SECRET = b"pairs-secret-of-this-test-process"
+_server: StoreServer | None = None
+_server_lock = threading.Lock()
+_calls = itertools.count()
+
 
 def two_stores() -> list[dist.Store]:
-    """A store server and a client of it: one store connection per end, as in two
-    processes (a client serializes its ops)."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return [server, dist.TCPStore("127.0.0.1", server.port, is_master=False)]
+    """Two connections to a store, one per end, as in two processes (a client serializes
+    its ops), with keys of their own: rlcomm's store, as a connection's transports get
+    in a worker. One server serves every call of this process; each call's keys lie
+    under a prefix of its own. (torch's TCPStore looks up its peer's host name on every
+    connection it makes: a slow name server costs such a pair seconds.)"""
+    global _server
+    with _server_lock:
+        if _server is None:
+            _server = StoreServer("127.0.0.1", _SECRET)
+        port, prefix = _server.port, f"pair{next(_calls)}"
+    return [StoreClient("127.0.0.1", port, _SECRET, 30).prefixed(prefix) for _ in range(2)]
 
 
 def transport_pair(

@@ -164,7 +164,7 @@ _OUTSIDER = textwrap.dedent(
     import torch.distributed as dist
     start = time.monotonic()
     try:
-        s = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=4))
+        s = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2))
         n = s.add("inbox/count", 1)
         s.set(f"inbox/{n}", b"forged")
         out["tcpstore"] = "wrote a note"
@@ -430,7 +430,7 @@ def test_a_sender_frozen_mid_message_does_not_hold_a_receive(cluster, peers):
         assert a.execute_on(1).recv_one("trust_g", 0).wait(timeout=60) == ["first"]
         frozen.forge_half_message(A, 1).wait(timeout=60)
         os.kill(pid, signal.SIGSTOP)
-        name, text, took = a.execute_on(1).expect_error("recv_one", "trust_g", 0, timeout=3).wait(
+        name, text, took = a.execute_on(1).expect_error("recv_one", "trust_g", 0, timeout=1.5).wait(
             timeout=60
         )[0]
         assert name == "CommTimeoutError" and "trust_g:0" in text, (name, text)

@@ -439,10 +439,10 @@ def test_receivers_killed_or_stopped_mid_stream(group):
         assert kind == "PeerLostError" and f"{name}:2" in text, text
         assert other.wait(timeout=60) == [None]
 
-        # broadcast: rank 4 is stopped; the source's timeout is 4 s a bucket.
+        # broadcast: rank 4 is stopped; the source's timeout is 2.5 s a bucket.
         members = [(name, [0, 1, 4])]
         source = g.execute_on(0).attempt("source", 3, members=members, src=src, made=layers,
-                                         options=CollectiveGroupOptions(timeout=4.0))
+                                         options=CollectiveGroupOptions(timeout=2.5))
         other = g.execute_on(1).attempt("take", 3, "into", members=members, src=src,
                                         made=layers)
         assert g.execute_on(4).first_then_hold(members, src, 60).wait(timeout=60) == [

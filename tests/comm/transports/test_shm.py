@@ -12,8 +12,9 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
+from rlcomm.comm.store.client import StoreClient
+from rlcomm.comm.store.server import StoreServer
 from rlcomm.comm.transports import shm, shm_memory
 from rlcomm.comm.transports.shm import ShmTransport
 from rlcomm.errors import CommTimeoutError, PeerLostError
@@ -203,12 +204,16 @@ def test_poll_waits_for_a_frame_and_ends_on_the_wake_fd(pair):
         os.close(wake_w)
 
 
+#: The secret of the exchange's store (a server of this test, clients in its processes).
+_SECRET = b"ping-pong-test-secret"
+
+
 def _ping_pong_end(rank: int, port: int, count: int, way: str, out: mp.Queue) -> None:
     """One end of a two-process exchange with irregular pauses (see the test), its frames
     sent the general way (``way="frame"``) or as small messages (``c``, ``python``:
     :data:`WAYS`)."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    end = ShmTransport(dist.PrefixStore("pp", store), rank, 30, f"end{1 - rank}")
+    store = StoreClient("127.0.0.1", port, _SECRET, 30).prefixed("pp")
+    end = ShmTransport(store, rank, 30, f"end{1 - rank}")
     if way == "python":
         shm._ring_put = shm._ring_take = None
     send = ((lambda f: end.send_frame(f, [], 10)) if way == "frame" else
@@ -240,7 +245,7 @@ def test_two_processes_never_miss_a_wake_up(way):
     """The sender sends a wake-up token only while the receiver's sleeping flag is set;
     two real processes exchanging with irregular pauses must never stall (a missed
     token would show as a 10 s timeout)."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = StoreServer("127.0.0.1", _SECRET)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     count = 1500
@@ -250,6 +255,7 @@ def test_two_processes_never_miss_a_wake_up(way):
     results = dict(out.get(timeout=100) for _ in procs)
     for p in procs:
         p.join(timeout=10)
+    server.close()
     assert results == {0: "ok", 1: "ok"}
 
 
