@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm.comm.connection import Connection
-from rlcomm.comm.store.client import StoreClient
+from rlcomm.comm.store.client import StoreClient, sub_store
 from rlcomm.comm.store.server import StoreServer
 from rlcomm.comm.transports.base import Transport
 from rlcomm.comm.transports.registry import PairFacts
@@ -46,7 +46,7 @@ def transport_pair(
     ends: dict[int, Transport] = {}
 
     def make(rank: int) -> None:
-        ends[rank] = kind(dist.PrefixStore(prefix, stores[rank]), rank, 10, f"end{1 - rank}")
+        ends[rank] = kind(sub_store(stores[rank], prefix), rank, 10, f"end{1 - rank}")
 
     t = threading.Thread(target=make, args=(1,))
     t.start()
@@ -62,7 +62,7 @@ def connection_pair(
     ends = transport_pair(stores, prefix, kind)
     a, b = Connection("b"), Connection("a")
     for rank, conn in enumerate((a, b)):  # both ends in this process: one node
-        conn.attach(ends[rank], dist.PrefixStore(prefix, stores[rank]), rank, PairFacts(True))
+        conn.attach(ends[rank], sub_store(stores[rank], prefix), rank, PairFacts(True))
     return a, b
 
 
