@@ -509,8 +509,8 @@ def test_bad_input_fails_fast(peers):
 
 def test_options_mismatch(peers):
     a, b = peers
-    opts_a = CollectiveGroupOptions(timeout=5, transport="gloo")
-    opts_b = CollectiveGroupOptions(timeout=5, transport="auto")
+    opts_a = CollectiveGroupOptions(timeout=2.5, transport="gloo")
+    opts_b = CollectiveGroupOptions(timeout=2.5, transport="auto")
     # Fresh pair (p2p_a:1, p2p_b:0); the receiver posts first, then the sender.
     hb = b.execute_on(0).expect_error("recv_one", "p2p_a", 1, options=opts_b)
     wait_op_under_way("p2p_b:0", "recv", "p2p_a:1")

@@ -153,11 +153,11 @@ class Sleeper(Worker):
 def test_wait_timeout_and_done(cluster):
     group = Sleeper.create_group().launch(cluster, name="sleepy")
     try:
-        handle = group.nap(3)
+        handle = group.nap(1)
         assert not handle.done()
         with pytest.raises(RlcommTimeoutError):
             handle.wait(timeout=0.2)
-        assert handle.wait(timeout=30) == [3]
+        assert handle.wait(timeout=30) == [1]
         assert handle.done()
     finally:
         group.shutdown()
