@@ -21,9 +21,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Where a name server drops a query now and then, glibc waits 5 s before it asks again.
-# torch's TCPStore and Gloo look up their peers' host names on each connection (tests
-# and examples that use them as a user would), so each lost query cost a test 5 s of
-# waiting: ask again after 1 s. Processes started from here (Ray's too) inherit it.
+# torch's TCPStore looks up its peer's host name on each connection it makes or accepts
+# (tests and examples that use torch.distributed as a user would), so each lost query
+# cost a test 5 s of waiting: ask again after 1 s. Processes started from here (Ray's
+# too) inherit it. rlcomm's own stores and transports look no name up.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:4")
 
 _state: dict[str, object] = {"kind": None, "cluster": None}
